@@ -1,0 +1,33 @@
+"""bsrkit: block-sparse (BSR) matrix products for PyTorch, fast on CPU, with leak-free plan caching.
+
+The products mirror ``torch.sparse._triton_ops`` so that switching is a change of import. Plans (index
+data derived from a BSR tensor's indices) are cached under memory-identity keys held through weak
+references: an entry lives exactly as long as the tensor it was computed from.
+"""
+
+from bsrkit.cache import CacheInfo, weak_lru_cache
+from bsrkit.keys import TensorKey
+from bsrkit.ops import (
+    bsr_dense_addmm,
+    bsr_dense_mm,
+    bsr_scatter_mm,
+    bsr_scatter_mm_indices_data,
+    scatter_mm,
+)
+from bsrkit.plans import cache_clear, cache_info
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheInfo",
+    "TensorKey",
+    "__version__",
+    "bsr_dense_addmm",
+    "bsr_dense_mm",
+    "bsr_scatter_mm",
+    "bsr_scatter_mm_indices_data",
+    "cache_clear",
+    "cache_info",
+    "scatter_mm",
+    "weak_lru_cache",
+]

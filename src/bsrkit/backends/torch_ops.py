@@ -1,0 +1,127 @@
+"""Device-agnostic kernels built from torch primitives (batched gemm + index_add), no Python per block.
+
+Used for ``scatter_mm`` on every device, and for the BSR products where the MKL CPU kernel is not
+available (non-MKL builds, non-CPU devices until the Triton backend lands, or ``BSRKIT_BACKEND=torch``).
+Work is chunked so that gathered operands stay within ``_CHUNK_ELEMENTS`` elements.
+Half types are computed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["accumulate_dtype", "bsr_mm_into", "scatter_mm_into"]
+
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def bsr_mm_into(
+    crow: torch.Tensor,  # (B, MB + 1), one row per output batch (already broadcast)
+    col: torch.Tensor,  # (B, nnz)
+    values: torch.Tensor,  # (B, nnz, Ms, Ks)
+    dense: torch.Tensor,  # (B, K, N)
+    out: torch.Tensor,  # (B, M, N); accumulated into unless overwrite
+    alpha: float,
+    overwrite: bool,
+) -> None:
+    acc_dtype = accumulate_dtype(out.dtype)
+    _, nnz, Ms, Ks = values.shape
+    B, M, N = out.shape
+    step = max(1, _CHUNK_ELEMENTS // max(1, (Ms + Ks) * N))
+    for b in range(B):
+        acc = torch.zeros((M // Ms, Ms, N), dtype=acc_dtype, device=out.device)
+        row_of = torch.repeat_interleave(torch.arange(M // Ms, device=out.device), crow[b].diff())
+        dense_blocks = dense[b].unflatten(0, (-1, Ks))
+        for g0 in range(0, nnz, step):
+            g1 = min(nnz, g0 + step)
+            prods = torch.bmm(values[b, g0:g1].to(acc_dtype), dense_blocks[col[b, g0:g1]].to(acc_dtype))
+            acc.index_add_(0, row_of[g0:g1], prods)
+        acc = acc.view(M, N)
+        if alpha != 1:
+            acc.mul_(alpha)
+        if overwrite:
+            out[b].copy_(acc)
+        else:
+            out[b].add_(acc.to(out.dtype) if acc_dtype == out.dtype else acc)
+
+
+def _gather_products(
+    blocks: torch.Tensor,
+    p: torch.Tensor,
+    others_flat: torch.Tensor,  # (B, K * N): each batch's others, row-major
+    q: torch.Tensor,
+    acc_flat: torch.Tensor,  # (B, M * N), accumulate dtype
+    r: torch.Tensor,
+    N: int,
+    Ns: int,
+) -> None:
+    """acc[b, r0:r0+Ms, r1:r1+Ns] += blocks[p] @ others[b, q0:q0+Ks, q1:q1+Ns] for each (r, p, q)."""
+    _, Ms, Ks = blocks.shape
+    B = others_flat.shape[0]
+    device = blocks.device
+    k_grid = (torch.arange(Ks, device=device) * N)[:, None] + torch.arange(Ns, device=device)
+    m_grid = (torch.arange(Ms, device=device) * N)[:, None] + torch.arange(Ns, device=device)
+    step = max(1, _CHUNK_ELEMENTS // max(1, B * (Ms + Ks) * Ns))
+    for g0 in range(0, p.numel(), step):
+        g1 = min(p.numel(), g0 + step)
+        q_idx = (q[g0:g1, None, None] + k_grid).reshape(-1)
+        rhs = others_flat[:, q_idx].reshape(B, g1 - g0, Ks, Ns).to(acc_flat.dtype)
+        prods = torch.matmul(blocks[p[g0:g1]].to(acc_flat.dtype), rhs)  # (B, G, Ms, Ns)
+        r_idx = (r[g0:g1, None, None] + m_grid).reshape(-1)
+        acc_flat.index_add_(1, r_idx, prods.reshape(B, -1))
+
+
+def scatter_mm_into(
+    blocks: torch.Tensor, others: torch.Tensor, indices_data: tuple, accumulators: torch.Tensor
+) -> None:
+    """The three formats of ``scatter_mm`` (semantics in ``bsrkit.ops.scatter_mm``), accumulating."""
+    fmt = indices_data[0]
+    acc_dtype = accumulate_dtype(accumulators.dtype)
+    device = blocks.device
+    if fmt == "scatter_mm":
+        c_offsets, pq = indices_data[1:]
+        pq = pq.reshape(-1, 2).long()
+        rows = torch.repeat_interleave(
+            torch.arange(c_offsets.numel() - 1, device=device), c_offsets.long().diff()
+        )
+        acc = torch.zeros(accumulators.shape, dtype=acc_dtype, device=device)
+        _, Ms, Ks = blocks.shape
+        Ns = others.shape[-1]
+        step = max(1, _CHUNK_ELEMENTS // max(1, (Ms + Ks) * Ns))
+        for g0 in range(0, pq.shape[0], step):
+            g1 = min(pq.shape[0], g0 + step)
+            prods = torch.bmm(blocks[pq[g0:g1, 0]].to(acc_dtype), others[pq[g0:g1, 1]].to(acc_dtype))
+            acc.index_add_(0, rows[g0:g1], prods)
+        accumulators.add_(acc.to(accumulators.dtype))
+        return
+
+    B, K, N = others.shape
+    Ms = blocks.shape[1]
+    meta = indices_data[-1]
+    split_n = meta["SPLIT_N"]
+    Ns = N // split_n
+    if fmt == "bsr_strided_mm":
+        c_indices, r_offsets, p_offsets, q_offsets = (x.long() for x in indices_data[1:5])
+        counts = c_indices.diff()
+        r = torch.repeat_interleave(r_offsets, counts)
+        g0, g1 = int(c_indices[0]), int(c_indices[-1])  # rows' ranges [c_i, c_i+1) tile [g0, g1)
+        p = p_offsets[g0:g1]
+        q = q_offsets[g0:g1]
+    else:  # "bsr_strided_mm_compressed"
+        c_indices, r_offsets, q_offsets = (x.long() for x in indices_data[1:4])
+        m = (r_offsets // N) // Ms
+        n = (r_offsets % N) // Ns
+        c0, c1 = c_indices[m], c_indices[m + 1]
+        counts = c1 - c0
+        j = torch.repeat_interleave(torch.arange(r_offsets.numel(), device=device), counts)
+        i = torch.arange(j.numel(), device=device) - torch.cumsum(counts, 0).sub(counts)[j]
+        r = r_offsets[j]
+        p = c0[j] + i
+        q = q_offsets[n[j] * c1[j] + (split_n - n[j]) * c0[j] + i]
+    acc = torch.zeros((B, accumulators.shape[-2] * N), dtype=acc_dtype, device=device)
+    _gather_products(blocks, p, others.reshape(B, K * N), q, acc, r, N, Ns)
+    accumulators.add_(acc.view(accumulators.shape).to(accumulators.dtype))

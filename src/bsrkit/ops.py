@@ -1,0 +1,453 @@
+r"""Public products. Each validates its arguments, fetches cached plans, and hands tensors and plan to
+one backend chosen by :func:`select_backend`; nothing else happens here.
+
+Notation: ``bsr`` is a BSR tensor of shape ``(*Bb, M, K)`` with blocks ``(Ms, Ks)``; ``dense`` is strided
+``(*Bd, K, N)``; batch dimensions broadcast to ``batch = broadcast(Bb, Bd)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from bsrkit import plans, tuning
+from bsrkit.backends import torch_ops
+from bsrkit.validation import (
+    broadcast_batch,
+    check_bsr,
+    check_out,
+    check_same_device,
+    check_same_dtype,
+    check_strided,
+)
+
+__all__ = [
+    "bsr_dense_addmm",
+    "bsr_dense_mm",
+    "bsr_scatter_mm",
+    "bsr_scatter_mm_indices_data",
+    "scatter_mm",
+    "select_backend",
+]
+
+BACKEND_ENV = "BSRKIT_BACKEND"
+_BACKENDS = ("cpu", "torch")
+_INDICES_FORMATS = ("bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm")
+
+
+def select_backend(op: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend for one call: ``"cpu"`` (compiled MKL kernel) or ``"torch"`` (torch primitives).
+
+    ``BSRKIT_BACKEND`` (``cpu`` or ``torch``) overrides the choice, for testing and comparison.
+    """
+    forced = os.environ.get(BACKEND_ENV)
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(f"{op}(): expected ${BACKEND_ENV} in {_BACKENDS}, got {forced!r}")
+        if forced == "cpu" and device.type != "cpu":
+            raise ValueError(f"{op}(): ${BACKEND_ENV}=cpu needs CPU tensors, got device {device}")
+        if forced == "torch" or _cpu_kernel() is not None:
+            return forced
+    if device.type == "cpu" and _cpu_kernel() is not None:
+        return "cpu"
+    return "torch"
+
+
+def _cpu_kernel() -> Any:
+    from bsrkit.backends.cpu import bsr_mm_kernel
+
+    return bsr_mm_kernel()
+
+
+# -- the main products --------------------------------------------------------------------------------
+
+
+def bsr_dense_mm(
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    meta: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    r"""Block-sparse times dense: :math:`\mathrm{out}[b] = \mathrm{bsr}[b]\,\mathrm{dense}[b]`.
+
+    Only stored blocks contribute: :math:`\mathrm{out}_{iM_s..,:} = \sum_{j \in \mathrm{row}\ i}
+    V_{ij} \, \mathrm{dense}_{jK_s..,:}`. Any block shape, batch broadcasting, any strides of ``dense``
+    and ``out``; float16/bfloat16 accumulate in float32. ``out`` (shape ``(*batch, M, N)``, dtype of
+    ``dense``) is written in place and returned. ``meta`` overrides backend parameters (CPU: ``panel``,
+    ``nthreads``).
+    """
+    return _addmm("bsr_dense_mm", None, bsr, dense, beta=0.0, alpha=1.0, out=out, meta=meta)
+
+
+def bsr_dense_addmm(
+    input: torch.Tensor,
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    *,
+    beta: float = 1,
+    alpha: float = 1,
+    out: torch.Tensor | None = None,
+    meta: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    r""":math:`\mathrm{out} = \beta\,\mathrm{input} + \alpha\,(\mathrm{bsr} @ \mathrm{dense})`.
+
+    ``input`` broadcasts to ``(*batch, M, N)``. With ``beta == 0``, ``input`` is ignored (NaN in it does
+    not propagate), as in ``torch.addmm``. Otherwise as :func:`bsr_dense_mm`.
+    """
+    check_strided("bsr_dense_addmm", "input", input, min_ndim=0)
+    return _addmm("bsr_dense_addmm", input, bsr, dense, beta=beta, alpha=alpha, out=out, meta=meta)
+
+
+def _check_scalar(op: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}(): expected {name} to be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _addmm(
+    op: str,
+    input: torch.Tensor | None,
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    *,
+    beta: Any,
+    alpha: Any,
+    out: torch.Tensor | None,
+    meta: dict[str, Any] | None,
+) -> torch.Tensor:
+    beta = _check_scalar(op, "beta", beta)
+    alpha = _check_scalar(op, "alpha", alpha)
+    check_bsr(op, "bsr", bsr)
+    check_strided(op, "dense", dense)
+    check_same_dtype(op, "dense", dense, "bsr", bsr)
+    check_same_device(op, "dense", dense, "bsr", bsr)
+    M, K = bsr.shape[-2:]
+    if dense.shape[-2] != K:
+        raise ValueError(f"{op}(): expected dense.shape[-2] == {K} (bsr.shape[-1]), got {dense.shape[-2]}")
+    N = dense.shape[-1]
+    batch = broadcast_batch(op, ("bsr", "dense"), (bsr.shape[:-2], dense.shape[:-2]))
+    out_shape = (*batch, M, N)
+    if input is not None:
+        check_same_dtype(op, "input", input, "bsr", bsr)
+        check_same_device(op, "input", input, "bsr", bsr)
+        try:
+            ok = torch.broadcast_shapes(input.shape, out_shape) == out_shape
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{op}(): expected input.shape to broadcast to {out_shape}, got {tuple(input.shape)}"
+            )
+    if out is None:
+        out = torch.empty(out_shape, dtype=dense.dtype, device=dense.device)
+    else:
+        check_out(op, out, out_shape, dense.dtype, dense.device)
+    if meta is not None and not isinstance(meta, dict):
+        raise TypeError(f"{op}(): expected meta to be a dict or None, got {type(meta).__name__}")
+
+    # out := beta * input first; the kernel then accumulates (or, with beta == 0, overwrites).
+    overwrite = input is None or beta == 0
+    if not overwrite:
+        assert input is not None
+        if not _same_view(input, out):
+            out.copy_(input.expand(out_shape))
+        if beta != 1:
+            out.mul_(beta)
+    if out.numel() == 0:
+        return out
+    if K == 0 or bsr._nnz() == 0 or alpha == 0:
+        if overwrite:
+            out.zero_()
+        return out
+
+    backend = select_backend(op, bsr.device, bsr.dtype)
+    if backend == "cpu":
+        _cpu_addmm(op, bsr, dense, out, batch, alpha, overwrite, meta)
+    else:
+        _torch_addmm(bsr, dense, out, batch, alpha, overwrite)
+    return out
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _batch_offsets(t: torch.Tensor, t_batch_ndim: int, batch: torch.Size) -> np.ndarray:
+    """Element offset (from the storage start) of each flattened index of ``batch``, for ``t`` whose
+    first ``t_batch_ndim`` dimensions broadcast to ``batch``. No copies: broadcast dims add 0."""
+    nd = len(batch)
+    offsets = np.full(tuple(batch), t.storage_offset(), dtype=np.int64)
+    lead = nd - t_batch_ndim
+    for d in range(t_batch_ndim):
+        size = t.shape[d]
+        if size == 1:
+            continue
+        view = [1] * nd
+        view[lead + d] = size
+        offsets = offsets + (np.arange(size, dtype=np.int64) * t.stride(d)).reshape(view)
+    return np.ascontiguousarray(offsets.reshape(-1))
+
+
+def _blas_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
+    """``t`` (a stack of matrices) with a layout BLAS can read, copying only when it cannot."""
+    from bsrkit.backends.cpu import blas_layout
+
+    rows, cols = t.shape[-2:]
+    layout = blas_layout(t.stride(-2), t.stride(-1), rows, cols)
+    if layout is None:
+        t = t.contiguous()
+        layout = blas_layout(t.stride(-2), t.stride(-1), rows, cols)
+        assert layout is not None
+    return t, layout[0], layout[1]
+
+
+_KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def _cpu_addmm(
+    op: str,
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    out: torch.Tensor,
+    batch: torch.Size,
+    alpha: float,
+    overwrite: bool,
+    meta: dict[str, Any] | None,
+) -> None:
+    import numba
+
+    from bsrkit.backends.cpu import blas_layout, bsr_mm_kernel
+
+    kernel = bsr_mm_kernel()
+    M = bsr.shape[-2]
+    N = dense.shape[-1]
+    params = tuning.cpu_mm_meta(op, N, meta)
+    nthreads = params["nthreads"]
+    plan = plans.cpu_mm_plan(bsr, nthreads)
+    values = bsr.values()
+    Ms, Ks = values.shape[-2:]
+    values, a_rowmajor, lda = _blas_operand(values)
+    dense, b_rowmajor, ldb = _blas_operand(dense)
+
+    half = out.dtype in (torch.float16, torch.bfloat16)
+    if half:  # accumulate in a float32 buffer, written back once
+        target = torch.empty(out.shape, dtype=torch.float32) if overwrite else out.float()
+    else:
+        target = out
+    target_layout = blas_layout(target.stride(-2), target.stride(-1), M, N)
+    if target_layout is None or (half and not target_layout[0]):  # half gemm writes row-major only
+        target = target.contiguous()
+        target_layout = blas_layout(target.stride(-2), target.stride(-1), M, N)
+        assert target_layout is not None
+
+    bsr_batch = bsr.shape[:-2]
+    n_bsr = int(np.prod(bsr_batch, dtype=np.int64))
+    bsr_of = np.ascontiguousarray(
+        np.broadcast_to(np.arange(n_bsr, dtype=np.int64).reshape(bsr_batch), batch).reshape(-1)
+    )
+    a_boff = _batch_offsets(values, values.ndim - 3, bsr_batch)
+    isz_ab = values.element_size()
+    numba.set_num_threads(min(nthreads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    kernel(
+        _KINDS[out.dtype], plan.crow, plan.col, plan.splits, bsr_of,
+        values.data_ptr() - values.storage_offset() * isz_ab, a_boff, values.stride(-3),
+        a_rowmajor, lda,
+        dense.data_ptr() - dense.storage_offset() * isz_ab, _batch_offsets(dense, dense.ndim - 2, batch),
+        b_rowmajor, dense.stride(-2), dense.stride(-1), ldb,
+        target.data_ptr() - target.storage_offset() * target.element_size(),
+        _batch_offsets(target, target.ndim - 2, batch), target.stride(-2), target.stride(-1),
+        target_layout[0], target_layout[1],
+        Ms, Ks, N, params["panel"], alpha, overwrite, isz_ab, target.element_size(),
+    )  # fmt: skip
+    if target is not out:
+        out.copy_(target)
+
+
+def _torch_addmm(
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    out: torch.Tensor,
+    batch: torch.Size,
+    alpha: float,
+    overwrite: bool,
+) -> None:
+    M, K = bsr.shape[-2:]
+    N = dense.shape[-1]
+    values = bsr.values()
+    bsr_batch = bsr.shape[:-2]
+    crow = bsr.crow_indices().expand(*batch, -1).reshape(-1, M // values.shape[-2] + 1)
+    col = bsr.col_indices().expand(*batch, -1).reshape(crow.shape[0], -1)
+    vals = values.expand(*batch, *values.shape[len(bsr_batch) :]).reshape(-1, *values.shape[-3:])
+    dense3 = dense.expand(*batch, K, N).reshape(-1, K, N)
+    out3 = out.view(-1, M, N) if _viewable3(out) else out.reshape(-1, M, N).clone()
+    torch_ops.bsr_mm_into(crow, col, vals, dense3, out3, alpha, overwrite)
+    if out3.data_ptr() != out.data_ptr() or not _viewable3(out):
+        out.copy_(out3.view(out.shape))
+
+
+def _viewable3(t: torch.Tensor) -> bool:
+    try:
+        t.view(-1, *t.shape[-2:])
+    except RuntimeError:
+        return False
+    return True
+
+
+# -- scatter_mm and its indices data ----------------------------------------------------------------
+
+
+def bsr_scatter_mm_indices_data(
+    bsr: torch.Tensor,
+    other: torch.Tensor,
+    indices_format: str = "bsr_strided_mm_compressed",
+    **meta_input: Any,
+) -> tuple[Any, ...]:
+    """Indices data for :func:`scatter_mm` computing ``bsr @ other`` (layout identical to torch's).
+
+    Computed with vectorized torch ops and cached in the shared plan cache, keyed on ``bsr``'s indices
+    (the entry lives exactly as long as ``bsr``). For the ``bsr_strided_mm*`` formats the last item is
+    the meta dict (``SPLIT_N``, ``is_compressed``).
+    """
+    op = "bsr_scatter_mm_indices_data"
+    check_bsr(op, "bsr", bsr)
+    if bsr.ndim != 2:
+        raise ValueError(f"{op}(): expected a 2-D bsr (no batch dimensions), got shape {tuple(bsr.shape)}")
+    check_strided(op, "other", other)
+    if indices_format not in _INDICES_FORMATS:
+        raise ValueError(f"{op}(): expected indices_format in {_INDICES_FORMATS}, got {indices_format!r}")
+    M, K = bsr.shape
+    Ms, Ks = bsr.values().shape[-2:]
+    if other.shape[-2] != K:
+        raise ValueError(f"{op}(): expected other.shape[-2] == {K} (bsr.shape[-1]), got {other.shape[-2]}")
+    N = other.shape[-1]
+    nbatches = int(np.prod(other.shape[:-2], dtype=np.int64))
+    if indices_format == "scatter_mm":
+        if N % Ms:
+            raise ValueError(
+                f"{op}(): the 'scatter_mm' format needs other.shape[-1] divisible by the block "
+                f"height {Ms}, got {N}"
+            )
+        return plans.scatter_mm_indices(bsr, indices_format, N, nbatches, 0)
+    meta = tuning.scatter_mm_meta(M, K, N, Ms, Ks, **meta_input)
+    data = plans.scatter_mm_indices(bsr, indices_format, N, 0, meta["SPLIT_N"])
+    meta["is_compressed"] = indices_format == "bsr_strided_mm_compressed"
+    return (*data, meta)
+
+
+def scatter_mm(
+    blocks: torch.Tensor,
+    others: torch.Tensor,
+    indices_data: tuple[Any, ...],
+    *,
+    accumulators: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""Scattered matrix products, semantics of ``torch.sparse._triton_ops.scatter_mm``.
+
+    * ``"scatter_mm"``: ``(fmt, c_offsets, pq)``; :math:`\mathrm{acc}[r] \mathrel{+}= \sum_{g=c_r}^{c_{r+1}-1}
+      \mathrm{blocks}[p_g]\,\mathrm{others}[q_g]` with ``blocks (P, Ms, Ks)``, ``others (Q, Ks, Ns)``,
+      ``accumulators (R, Ms, Ns)``.
+    * ``"bsr_strided_mm"``: ``(fmt, c_indices, r_offsets, p_offsets, q_offsets, meta)``; for each
+      ``i``: ``acc[b, r0:r0+Ms, r1:r1+Ns] += blocks[p_g] @ others[b, q0:q0+Ks, q1:q1+Ns]`` over
+      ``g in [c_i, c_{i+1})``, with ``(r0, r1) = divmod(r_offsets[i], N)``, ``(q0, q1) =
+      divmod(q_offsets[g], N)`` and ``Ns = N // meta["SPLIT_N"]``.
+    * ``"bsr_strided_mm_compressed"``: ``(fmt, c_indices, r_offsets, q_offsets, meta)``; the tile at
+      ``r`` (block row ``m = r // N // Ms``, panel ``n = r % N // Ns``) sums ``p in [c_m, c_{m+1})`` with
+      ``q = q_offsets[n * c_{m+1} + (SPLIT_N - n) * c_m + (p - c_m)]``.
+
+    ``accumulators`` is accumulated into and returned; when None, a zero tensor is created.
+    """
+    op = "scatter_mm"
+    check_strided(op, "blocks", blocks, min_ndim=3)
+    check_strided(op, "others", others)
+    if blocks.ndim != 3:
+        raise ValueError(f"{op}(): expected blocks to be 3-D (P, Ms, Ks), got shape {tuple(blocks.shape)}")
+    check_same_dtype(op, "others", others, "blocks", blocks)
+    check_same_device(op, "others", others, "blocks", blocks)
+    if not isinstance(indices_data, tuple) or not indices_data or indices_data[0] not in _INDICES_FORMATS:
+        got = indices_data[0] if isinstance(indices_data, tuple) and indices_data else indices_data
+        raise ValueError(
+            f"{op}(): expected indices_data[0] (the indices format) in {_INDICES_FORMATS}, got {got!r}"
+        )
+    fmt = indices_data[0]
+    _, Ms, Ks = blocks.shape
+    if fmt == "scatter_mm":
+        if others.ndim != 3 or others.shape[1] != Ks:
+            raise ValueError(f"{op}(): expected others of shape (Q, {Ks}, Ns), got {tuple(others.shape)}")
+        R = indices_data[1].numel() - 1
+        acc_shape: tuple[int, ...] = (R, Ms, others.shape[2])
+        others3 = others
+    else:
+        K, N = others.shape[-2:]
+        if K % Ks:
+            raise ValueError(f"{op}(): expected others.shape[-2] divisible by Ks == {Ks}, got {K}")
+        r_offsets = indices_data[2]
+        M = Ms + int(r_offsets.max()) // N if r_offsets.numel() else Ms
+        M = accumulators.shape[-2] if accumulators is not None else M
+        acc_shape = (*others.shape[:-2], M, N)
+        others3 = others.reshape(-1, K, N)
+    if accumulators is None:
+        accumulators = torch.zeros(acc_shape, dtype=blocks.dtype, device=blocks.device)
+    else:
+        check_out(op, accumulators, acc_shape, blocks.dtype, blocks.device)
+    if fmt == "scatter_mm":
+        torch_ops.scatter_mm_into(blocks, others3, indices_data, accumulators)
+    else:
+        acc3 = accumulators.view(-1, *acc_shape[-2:]) if _viewable3(accumulators) else None
+        target = acc3 if acc3 is not None else accumulators.reshape(-1, *acc_shape[-2:]).clone()
+        torch_ops.scatter_mm_into(blocks, others3, indices_data, target)
+        if acc3 is None:
+            accumulators.copy_(target.view(acc_shape))
+    return accumulators
+
+
+def bsr_scatter_mm(
+    bsr: torch.Tensor,
+    other: torch.Tensor,
+    indices_data: tuple[Any, ...] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``bsr @ other`` for a 2-D ``bsr``, through ``indices_data`` when given (see :func:`scatter_mm`).
+
+    Without ``indices_data`` this is :func:`bsr_dense_mm` (the fastest path for the device).
+    """
+    op = "bsr_scatter_mm"
+    check_bsr(op, "bsr", bsr)
+    if bsr.ndim != 2:
+        raise ValueError(f"{op}(): expected a 2-D bsr (no batch dimensions), got shape {tuple(bsr.shape)}")
+    if indices_data is None:
+        return _addmm(op, None, bsr, other, beta=0.0, alpha=1.0, out=out, meta=None)
+    check_strided(op, "other", other)
+    check_same_dtype(op, "other", other, "bsr", bsr)
+    check_same_device(op, "other", other, "bsr", bsr)
+    M, K = bsr.shape
+    if other.shape[-2] != K:
+        raise ValueError(f"{op}(): expected other.shape[-2] == {K} (bsr.shape[-1]), got {other.shape[-2]}")
+    N = other.shape[-1]
+    out_shape = (*other.shape[:-2], M, N)
+    if out is None:
+        out = torch.empty(out_shape, dtype=bsr.dtype, device=bsr.device)
+    else:
+        check_out(op, out, out_shape, bsr.dtype, bsr.device)
+    out.zero_()
+    if bsr._nnz() == 0 or out.numel() == 0:
+        return out
+    fmt = indices_data[0] if isinstance(indices_data, tuple) and indices_data else None
+    if fmt == "scatter_mm":
+        Ms, Ks = bsr.values().shape[-2:]
+        nb = int(np.prod(other.shape[:-2], dtype=np.int64))
+        # Tiles of other (Ks x Ms) and of out (Ms x Ms), in the order the "scatter_mm" indices use.
+        others = other.reshape(nb, K // Ks, Ks, N // Ms, Ms).permute(0, 1, 3, 2, 4).reshape(-1, Ks, Ms)
+        acc = scatter_mm(bsr.values(), others, indices_data)
+        tiles = acc.view(nb, M // Ms, N // Ms, Ms, Ms).permute(0, 1, 3, 2, 4).reshape(out_shape)
+        out.copy_(tiles)
+        return out
+    return scatter_mm(bsr.values(), other, indices_data, accumulators=out)

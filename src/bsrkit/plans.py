@@ -1,0 +1,140 @@
+"""Index data ("plans") derived from a BSR tensor's indices, computed once and cached.
+
+Every plan is computed with vectorized torch ops (no Python loop over rows or blocks) and stored in one
+shared :func:`~bsrkit.cache.weak_lru_cache`, keyed on the BSR tensor by memory identity of its indices:
+the entry dies with the BSR tensor, and an in-place change of the indices is a miss, never a stale plan.
+Plans never compute products (see ``bsrkit.backends``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from bsrkit.cache import CacheInfo, weak_lru_cache
+
+__all__ = [
+    "CpuMMPlan",
+    "cache_clear",
+    "cache_info",
+    "cpu_mm_plan",
+    "scatter_mm_indices",
+]
+
+# Cost of a block row in "multiply-adds", beyond its blocks: loop and panel overhead.
+_ROW_OVERHEAD_BLOCKS = 0.05
+
+
+class CpuMMPlan(NamedTuple):
+    """What the CPU kernel needs: int64 indices, and per batch the block-row cut points per thread."""
+
+    crow: np.ndarray  # (batches, block_rows + 1)
+    col: np.ndarray  # (batches, nnz)
+    splits: np.ndarray  # (batches, nthreads + 1): thread t owns block rows splits[b, t]:splits[b, t+1]
+
+
+_BUILDERS: dict[str, Callable[..., Any]]  # filled at the end of the module
+
+
+@weak_lru_cache(maxsize=256)
+def _plan(kind: str, bsr: torch.Tensor, *params: Any) -> Any:
+    return _BUILDERS[kind](bsr, *params)
+
+
+def cache_info() -> CacheInfo:
+    """Statistics of the shared plan cache: (hits, misses, maxsize, currsize, nbytes, dead_evictions)."""
+    return _plan.cache_info()  # type: ignore[attr-defined]
+
+
+def cache_clear() -> None:
+    """Drop every cached plan and reset the statistics."""
+    _plan.cache_clear()  # type: ignore[attr-defined]
+
+
+def cpu_mm_plan(bsr: torch.Tensor, nthreads: int) -> CpuMMPlan:
+    return _plan("cpu_mm", bsr, nthreads)
+
+
+def scatter_mm_indices(
+    bsr: torch.Tensor, indices_format: str, N: int, nbatches: int, split_n: int
+) -> tuple[Any, ...]:
+    return _plan("scatter_mm", bsr, indices_format, N, nbatches, split_n)
+
+
+def _build_cpu_mm(bsr: torch.Tensor, nthreads: int) -> CpuMMPlan:
+    crow = bsr.crow_indices().reshape(-1, bsr.crow_indices().shape[-1]).to(torch.int64)
+    col = bsr.col_indices().reshape(crow.shape[0], -1).to(torch.int64)
+    rows = crow.shape[1] - 1
+    # Balanced contiguous cut: thread t takes the rows whose cumulative cost falls in its 1/T share.
+    cost = crow.diff(dim=1).to(torch.float64) + _ROW_OVERHEAD_BLOCKS
+    cum = torch.cat([cost.new_zeros(cost.shape[0], 1), cost.cumsum(1)], dim=1)
+    targets = cum[:, -1:] * torch.linspace(0, 1, nthreads + 1, dtype=torch.float64)
+    splits = torch.searchsorted(cum.contiguous(), targets.contiguous()).clamp_(0, rows)
+    splits[:, 0] = 0
+    splits[:, -1] = rows
+    return CpuMMPlan(crow.contiguous().numpy(), col.contiguous().numpy(), splits.to(torch.int64).numpy())
+
+
+def _build_scatter_mm(
+    bsr: torch.Tensor, indices_format: str, N: int, nbatches: int, split_n: int
+) -> tuple[Any, ...]:
+    """The ``indices_data`` of ``torch.sparse._triton_ops.bsr_scatter_mm_indices_data``, vectorized.
+
+    The layout (and dtypes) match torch's exactly, so indices data from either library drive either
+    library's ``scatter_mm``.
+    """
+    crow, col = bsr.crow_indices(), bsr.col_indices()
+    M, K = bsr.shape[-2:]
+    Ms, Ks = bsr.values().shape[-2:]
+    device = crow.device
+    nnz = col.shape[0]
+    counts = crow.diff()
+    row_of = torch.repeat_interleave(torch.arange(M // Ms, device=device), counts)  # (nnz,)
+    within = torch.arange(nnz, device=device) - crow[:-1][row_of]  # position of block in its row
+
+    if indices_format in ("bsr_strided_mm_compressed", "bsr_strided_mm"):
+        Ns = N // split_n
+        n_off = torch.arange(split_n, dtype=torch.int32, device=device) * Ns
+        # Row m's chunk starts at split_n * crow[m]; inside it, item (n, i) sits at n * count + i.
+        pos = (
+            split_n * crow[:-1][row_of, None]
+            + torch.arange(split_n, device=device) * counts[row_of, None]
+            + within[:, None]
+        )
+        q_values = col[:, None] * (Ks * N) + n_off
+        q_offsets = torch.empty(nnz * split_n, dtype=q_values.dtype, device=device)
+        q_offsets[pos.reshape(-1)] = q_values.reshape(-1)
+        nonzero_rows = counts.nonzero()
+        r_offsets = (nonzero_rows * (Ms * N) + n_off).view(-1)
+        nnz_per_row = counts[nonzero_rows].repeat_interleave(split_n)
+        if indices_format == "bsr_strided_mm_compressed":
+            # Swizzle as torch does: output tiles with longer sums first.
+            order = nnz_per_row.sort(descending=True, stable=True).indices
+            return (indices_format, crow, r_offsets[order], q_offsets)
+        p_values = torch.arange(nnz, dtype=torch.int32, device=device)[:, None].expand(nnz, split_n)
+        p_offsets = torch.empty(nnz * split_n, dtype=torch.int32, device=device)
+        p_offsets[pos.reshape(-1)] = p_values.reshape(-1)
+        c_indices = torch.cat((crow[:1], torch.cumsum(nnz_per_row, 0)))
+        return (indices_format, c_indices, r_offsets, p_offsets, q_offsets)
+
+    # "scatter_mm": one output tile per (batch, block row, Ms-wide column block).
+    Ns = Ms
+    NB = N // Ns
+    MB = M // Ms
+    tiles_m = torch.arange(MB, device=device).repeat_interleave(NB).repeat(nbatches)
+    tiles_n = torch.arange(NB, device=device).repeat(MB * nbatches)
+    tiles_b = torch.arange(nbatches, device=device).repeat_interleave(MB * NB)
+    tile_counts = counts[tiles_m]
+    c_indices = torch.cat((counts.new_zeros(1), tile_counts.cumsum(0))).to(torch.int32)
+    g_tile = torch.repeat_interleave(torch.arange(tiles_m.numel(), device=device), tile_counts)
+    t = torch.arange(g_tile.numel(), device=device) - c_indices[:-1].to(torch.int64)[g_tile]
+    p = crow[tiles_m[g_tile]] + t
+    q = (col[p] + tiles_b[g_tile] * (K // Ks)) * NB + tiles_n[g_tile]
+    pq = torch.stack((p, q), dim=1).to(torch.int32)
+    return (indices_format, c_indices, pq)
+
+
+_BUILDERS = {"cpu_mm": _build_cpu_mm, "scatter_mm": _build_scatter_mm}

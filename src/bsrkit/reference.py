@@ -1,0 +1,107 @@
+"""Plain PyTorch oracles (masked dense) for every op; used by tests, never by fast paths.
+
+They are written for obviousness, not speed: the dense matrix is rebuilt block by block from the BSR
+indices (independently of torch's sparse kernels), and half types are computed in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "bsr_dense_addmm",
+    "bsr_dense_mm",
+    "bsr_scatter_mm",
+    "bsr_to_dense",
+    "scatter_mm",
+]
+
+
+def bsr_to_dense(bsr: torch.Tensor) -> torch.Tensor:
+    """The dense matrix of a (batched) BSR tensor, assembled from crow/col/values with loops."""
+    M, K = bsr.shape[-2:]
+    values = bsr.values()
+    Ms, Ks = values.shape[-2:]
+    batch = bsr.shape[:-2]
+    crow = bsr.crow_indices().reshape(-1, M // Ms + 1) if Ms else bsr.crow_indices().reshape(-1, 1)
+    col = bsr.col_indices().reshape(crow.shape[0], -1)
+    vals = values.reshape(crow.shape[0], -1, Ms, Ks)
+    dense = torch.zeros((crow.shape[0], M, K), dtype=bsr.dtype, device=bsr.device)
+    for b in range(crow.shape[0]):
+        for i in range(crow.shape[1] - 1):
+            for g in range(int(crow[b, i]), int(crow[b, i + 1])):
+                j = int(col[b, g])
+                dense[b, i * Ms : (i + 1) * Ms, j * Ks : (j + 1) * Ks] += vals[b, g]
+    return dense.reshape(*batch, M, K)
+
+
+def bsr_dense_mm(bsr: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    a = bsr_to_dense(bsr).double()
+    return torch.matmul(a, dense.double()).to(dense.dtype)
+
+
+def bsr_dense_addmm(
+    input: torch.Tensor,
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    *,
+    beta: float = 1,
+    alpha: float = 1,
+) -> torch.Tensor:
+    prod = alpha * torch.matmul(bsr_to_dense(bsr).double(), dense.double())
+    if beta != 0:
+        prod = prod + beta * input.double()
+    return prod.to(dense.dtype)
+
+
+def bsr_scatter_mm(bsr: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    return bsr_dense_mm(bsr, other)
+
+
+def scatter_mm(
+    blocks: torch.Tensor,
+    others: torch.Tensor,
+    indices_data: tuple[Any, ...],
+    accumulators: torch.Tensor,
+) -> torch.Tensor:
+    """The loops of torch's ``scatter_mm`` docstring, verbatim in meaning; returns a new tensor."""
+    fmt = indices_data[0]
+    acc = accumulators.double().clone()
+    blocks = blocks.double()
+    others = others.double()
+    Ms, Ks = blocks.shape[-2:]
+    if fmt == "scatter_mm":
+        c_offsets, pq = indices_data[1:]
+        for r in range(c_offsets.shape[0] - 1):
+            for g in range(int(c_offsets[r]), int(c_offsets[r + 1])):
+                p, q = (int(x) for x in pq[g])
+                acc[r] += blocks[p] @ others[q]
+        return acc.to(accumulators.dtype)
+    shape = acc.shape
+    acc = acc.reshape(-1, *shape[-2:])
+    others = others.reshape(-1, *others.shape[-2:])
+    N = others.shape[-1]
+    meta = indices_data[-1]
+    split_n = meta["SPLIT_N"]
+    Ns = N // split_n
+    for b in range(others.shape[0]):
+        if fmt == "bsr_strided_mm":
+            c_indices, r_offsets, p_offsets, q_offsets = indices_data[1:5]
+            for i, r in enumerate(r_offsets.tolist()):
+                r0, r1 = divmod(r, N)
+                for g in range(int(c_indices[i]), int(c_indices[i + 1])):
+                    q0, q1 = divmod(int(q_offsets[g]), N)
+                    p = int(p_offsets[g])
+                    acc[b, r0 : r0 + Ms, r1 : r1 + Ns] += blocks[p] @ others[b, q0 : q0 + Ks, q1 : q1 + Ns]
+        else:
+            c_indices, r_offsets, q_offsets = indices_data[1:4]
+            for r in r_offsets.tolist():
+                r0, r1 = divmod(r, N)
+                m, n = r0 // Ms, r1 // Ns
+                c0, c1 = int(c_indices[m]), int(c_indices[m + 1])
+                for i, p in enumerate(range(c0, c1)):
+                    q0, q1 = divmod(int(q_offsets[n * c1 + (split_n - n) * c0 + i]), N)
+                    acc[b, r0 : r0 + Ms, r1 : r1 + Ns] += blocks[p] @ others[b, q0 : q0 + Ks, q1 : q1 + Ns]
+    return acc.reshape(shape).to(accumulators.dtype)

@@ -1,0 +1,90 @@
+"""Random BSR factories and per-dtype tolerances shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DTYPES", "assert_close", "random_bsr", "tolerances"]
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+# (rtol, atol) per dtype, for products whose reference is computed in float64 and rounded once.
+_TOLERANCES = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+def tolerances(dtype: torch.dtype, k: int = 1) -> dict[str, float]:
+    """Tolerances for a sum of k products (rounding error grows like sqrt(k); here linearly, safely)."""
+    rtol, atol = _TOLERANCES[dtype]
+    scale = max(1.0, k**0.5)
+    return {"rtol": rtol * scale, "atol": atol * scale}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, k: int = 1) -> None:
+    torch.testing.assert_close(actual, expected, **tolerances(expected.dtype, k))
+
+
+def random_bsr(
+    shape: tuple[int, ...],
+    blocksize: tuple[int, int],
+    density: float,
+    dtype: torch.dtype = torch.float32,
+    *,
+    empty_rows: tuple[int, ...] = (),
+    empty_cols: tuple[int, ...] = (),
+    integers: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """A (batched) BSR tensor with about ``density`` of its blocks stored.
+
+    Listed block rows/columns are forced empty. With ``integers``, values are small integers so that
+    float products are exact and any indexing error shows as a wrong integer.
+    """
+    *batch, M, K = shape
+    Ms, Ks = blocksize
+    mask = torch.rand((*batch, M // Ms, K // Ks), generator=generator) < density
+    for r in empty_rows:
+        mask[..., r, :] = False
+    for c in empty_cols:
+        mask[..., :, c] = False
+    if batch:  # batched BSR needs the same nnz in every batch: use the first pattern everywhere
+        mask = mask.reshape(-1, *mask.shape[-2:])[:1].expand(*batch, -1, -1)
+    if integers:
+        vals = torch.randint(-3, 4, (*batch, M, K), generator=generator).to(dtype)
+    else:
+        vals = torch.randn((*batch, M, K), generator=generator).to(dtype)
+    full_mask = mask.repeat_interleave(Ms, -2).repeat_interleave(Ks, -1)
+    dense = torch.where(full_mask, vals, torch.zeros((), dtype=dtype))
+    # Mark stored blocks with a nonzero so that to_sparse_bsr keeps exactly the masked blocks.
+    return _to_bsr(dense, mask, blocksize)
+
+
+def _to_bsr(dense: torch.Tensor, mask: torch.Tensor, blocksize: tuple[int, int]) -> torch.Tensor:
+    """BSR with exactly the blocks in ``mask`` stored (zeros inside stored blocks are kept)."""
+    *batch, MB, KB = mask.shape
+    Ms, Ks = blocksize
+    flat_mask = mask.reshape(-1, MB, KB)[0]
+    crow = torch.zeros(MB + 1, dtype=torch.int64)
+    crow[1:] = flat_mask.sum(1).cumsum(0)
+    rows, cols = flat_mask.nonzero(as_tuple=True)
+    blocks = dense.reshape(-1, MB, Ms, KB, Ks).transpose(-3, -2)  # (B, MB, KB, Ms, Ks)
+    values = blocks[:, rows, cols]  # (B, nnz, Ms, Ks)
+    nb = values.shape[0]
+    if batch:
+        crow = crow.expand(nb, -1).reshape(*batch, -1)
+        col = cols.expand(nb, -1).reshape(*batch, -1)
+        values = values.reshape(*batch, *values.shape[1:])
+    else:
+        col = cols
+        values = values[0]
+    return torch.sparse_bsr_tensor(
+        crow.contiguous(),
+        col.contiguous(),
+        values.contiguous(),
+        size=dense.shape,
+        check_invariants=True,
+    )

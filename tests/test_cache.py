@@ -1,0 +1,334 @@
+import functools
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bsrkit import CacheInfo, TensorKey, weak_lru_cache
+
+
+def counting(maxsize=128, maxbytes=None):
+    calls = []
+
+    @weak_lru_cache(maxsize=maxsize, maxbytes=maxbytes)
+    def f(t, scale=1):
+        calls.append(1)
+        return t * scale  # a new tensor: derived, not the argument itself
+
+    return f, calls
+
+
+def test_hit_for_same_view_miss_for_other():
+    f, calls = counting()
+    t = torch.arange(4.0)
+    a = f(t)
+    assert f(t) is a
+    assert f(t.view(4)) is a  # another object, same memory and view
+    f(t.clone())
+    f(t, scale=2)
+    assert len(calls) == 3
+
+
+def test_exact_cache_info_after_scripted_sequence():
+    f, _ = counting(maxsize=2)
+    x, y, z = torch.ones(2), torch.ones(3), torch.ones(4)
+    f(x)  # miss
+    f(x)  # hit
+    f(y)  # miss
+    f(z)  # miss, evicts x (LRU)
+    f(y)  # hit
+    f(x)  # miss, evicts z
+    del y
+    gc.collect()  # y's entry dies
+    assert f.cache_info() == CacheInfo(
+        hits=2, misses=4, maxsize=2, currsize=1, nbytes=x.nbytes, dead_evictions=1
+    )
+    f.cache_clear()
+    assert f.cache_info() == CacheInfo(0, 0, 2, 0, 0, 0)
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword", "tuple"])
+def test_entry_and_value_die_with_the_argument(how):
+    @weak_lru_cache()
+    def f(*args, **kwargs):
+        (t,) = [*args, *kwargs.values()]
+        if isinstance(t, tuple):
+            t = t[0]
+        return (t + 1, {"twice": t * 2})
+
+    t = torch.ones(1000)
+    if how == "positional":
+        value = f(t)
+    elif how == "keyword":
+        value = f(t=t)
+    else:
+        value = f((t, 3))
+    refs = [weakref.ref(value[0]), weakref.ref(value[1]["twice"])]
+    del value
+    assert f.cache_info().currsize == 1
+    assert all(r() is not None for r in refs)  # held by the cache while t lives
+    del t
+    # No gc.collect(): reference counting alone must free the entry and its tensors at once.
+    assert all(r() is None for r in refs)
+    info = f.cache_info()
+    assert (info.currsize, info.nbytes, info.dead_evictions) == (0, 0, 1)
+
+
+def test_torch_lru_cache_pattern_leaks_but_ours_does_not():
+    # functools.lru_cache over TensorKey (PyTorch's pattern) keeps the value after the tensor dies.
+    @functools.lru_cache(maxsize=8)
+    def plain(key):
+        return key.obj + 1
+
+    @weak_lru_cache(maxsize=8)
+    def weak(t):
+        return t + 1
+
+    t = torch.ones(10)
+    leaked = weakref.ref(plain(TensorKey(t)))
+    freed = weakref.ref(weak(t))
+    del t
+    gc.collect()
+    assert leaked() is not None  # the known leak
+    assert freed() is None
+
+
+def test_value_referencing_its_argument_is_refused():
+    @weak_lru_cache()
+    def same(t):
+        return t
+
+    @weak_lru_cache()
+    def view(t):
+        return (t.view(-1), 1)
+
+    @weak_lru_cache()
+    def in_dict(t):
+        return {"a": [t]}
+
+    for f in (same, view, in_dict):
+        with pytest.raises(ValueError, match="keep that tensor alive forever"):
+            f(torch.ones(2))
+        assert f.cache_info().currsize == 0
+
+
+def test_in_place_change_is_a_miss_never_stale():
+    @weak_lru_cache()
+    def total(t):
+        return t.sum()
+
+    t = torch.ones(4)
+    assert total(t) == 4
+    t.add_(1)
+    assert total(t) == 8
+    info = total.cache_info()
+    assert (info.misses, info.hits, info.currsize) == (2, 0, 1)
+
+
+def test_maxsize_lru_order():
+    f, calls = counting(maxsize=2)
+    a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
+    f(a)
+    f(b)
+    f(a)  # a is now most recent
+    f(c)  # evicts b
+    n = len(calls)
+    f(a)
+    assert len(calls) == n
+    f(b)
+    assert len(calls) == n + 1
+
+
+def test_maxbytes_bound_and_lru_order():
+    f, calls = counting(maxsize=None, maxbytes=100)
+    a, b, c = torch.ones(10), torch.ones(10), torch.ones(10)  # 40 bytes each
+    f(a)
+    f(b)
+    f(a)
+    f(c)  # 120 > 100: evicts b
+    info = f.cache_info()
+    assert info.nbytes == 80 and info.currsize == 2
+    n = len(calls)
+    f(a)
+    f(c)
+    assert len(calls) == n
+    huge = torch.ones(100)  # 400 bytes: returned but never stored
+    f(huge)
+    assert f.cache_info().currsize == 2
+
+
+def test_unhashable_argument_named():
+    f, _ = counting()
+    with pytest.raises(TypeError, match="argument 'scale'.*unhashable list"):
+        f(torch.ones(1), scale=[1])
+    with pytest.raises(TypeError, match=r"argument #0"):
+        f({"a": 1})
+
+
+def test_colliding_hashes_do_not_collide(monkeypatch):
+    f, calls = counting()
+    monkeypatch.setattr(TensorKey, "__hash__", lambda self: 42)
+    a, b = torch.ones(2), torch.zeros(2)
+    assert torch.equal(f(a), a)
+    assert torch.equal(f(b), b)
+    assert len(calls) == 2
+
+
+def test_non_tensor_and_non_weakrefable_arguments_by_value():
+    calls = []
+
+    @weak_lru_cache()
+    def f(x, y):
+        calls.append(1)
+        return (x, y)
+
+    f(1, (2, "s"))
+    f(1, (2, "s"))
+    f(1.0, None)
+    assert len(calls) == 2
+
+
+def test_stampede_computes_once():
+    n = 8
+    barrier = threading.Barrier(n)
+    release = threading.Event()
+    calls = []
+
+    @weak_lru_cache()
+    def slow(t):
+        calls.append(1)
+        release.wait(5)
+        return t + 1
+
+    t = torch.ones(3)
+    results = [None] * n
+
+    def worker(i):
+        barrier.wait()
+        results[i] = slow(t)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    while not calls:
+        pass
+    release.set()
+    for th in threads:
+        th.join()
+    assert len(calls) == 1
+    assert all(r is results[0] for r in results)
+    info = slow.cache_info()
+    assert (info.misses, info.hits) == (1, n - 1)
+
+
+def test_exception_reaches_every_waiter_and_nothing_is_cached():
+    n = 4
+    barrier = threading.Barrier(n)
+    release = threading.Event()
+
+    @weak_lru_cache()
+    def boom(t):
+        release.wait(5)
+        raise RuntimeError("no")
+
+    t = torch.ones(1)
+    errors = []
+
+    def worker():
+        barrier.wait()
+        try:
+            boom(t)
+        except RuntimeError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    for th in threads:
+        th.start()
+    threading.Timer(0.2, release.set).start()
+    for th in threads:
+        th.join()
+    assert len(errors) == n
+    assert boom.cache_info().currsize == 0
+
+
+def test_callback_while_lock_held_by_same_thread_does_not_deadlock():
+    f, _ = counting()
+    t = torch.ones(3)
+    f(t)
+    state = f._cache_state
+    state.lock.acquire()  # as if the collector ran inside a cache operation of this thread
+    try:
+        del t  # the weakref callback runs now, with the lock held
+        assert state.dead  # queued, not removed: removing needs the lock
+    finally:
+        state._release()  # the holder applies queued removals before releasing
+    assert f.cache_info().currsize == 0
+    assert f.cache_info().dead_evictions == 1
+
+
+def test_reference_cycles_collected_by_gc_evict():
+    f, _ = counting()
+
+    class Holder:
+        pass
+
+    h = Holder()
+    h.self = h
+    h.t = torch.ones(5)
+    f(h.t)
+    del h
+    assert f.cache_info().currsize == 1  # only the cycle collector can free it
+    gc.collect()
+    assert f.cache_info().currsize == 0
+
+
+def test_wrapped_and_bare_decorator():
+    def g(t):
+        return t + 1
+
+    wrapped = weak_lru_cache(g)
+    assert wrapped.__wrapped__ is g
+    assert weak_lru_cache(maxsize=3)(g).cache_info().maxsize == 3
+    with pytest.raises(ValueError, match="maxsize"):
+        weak_lru_cache(maxsize=-1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["call", "kill", "mutate"]), st.integers(0, 4)), max_size=40))
+def test_random_call_sequences_match_a_model(script):
+    """Against a model: a dict of live entries with LRU order, versions and deaths."""
+    maxsize = 3
+    calls = []
+
+    @weak_lru_cache(maxsize=maxsize)
+    def f(t):
+        calls.append(1)
+        return t.sum().clone()
+
+    tensors = {i: torch.full((i + 1,), float(i)) for i in range(5)}
+    model = {}  # i -> version at compute time; insertion order = LRU order
+    for action, i in script:
+        if action == "kill":
+            tensors.pop(i, None)
+            model.pop(i, None)
+            continue
+        if i not in tensors:
+            tensors[i] = torch.full((i + 1,), float(i))
+        t = tensors[i]
+        if action == "mutate":
+            t.add_(1)
+            continue
+        n = len(calls)
+        value = f(t)
+        assert value == t.sum()
+        hit = model.get(i) == t._version
+        assert (len(calls) == n) == hit
+        model.pop(i, None)
+        model[i] = t._version
+        while len(model) > maxsize:
+            model.pop(next(iter(model)))
+        assert f.cache_info().currsize == len(model)

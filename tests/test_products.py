@@ -1,0 +1,235 @@
+"""Every product path against bsrkit.reference on fresh random inputs."""
+
+import gc
+import itertools
+import weakref
+
+import pytest
+import torch
+
+import bsrkit
+from bsrkit import reference
+from helpers import DTYPES, assert_close, random_bsr
+
+BACKENDS = ["cpu", "torch"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
+    return request.param
+
+
+CASES = [
+    # (M, K, N, blocksize, density, empty block rows, empty block cols)
+    (64, 48, 40, (16, 8), 0.5, (0,), (1,)),
+    (30, 45, 17, (3, 5), 0.4, (2,), ()),  # not powers of two, N odd
+    (64, 64, 300, (32, 32), 0.6, (), (0,)),  # N spans two panels
+    (24, 36, 8, (1, 1), 0.2, (), ()),
+    (32, 16, 8, (32, 16), 1.0, (), ()),  # one block
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_bsr_dense_mm_matches_reference(backend, dtype, case):
+    M, K, N, bs, density, er, ec = case
+    bsr = random_bsr((M, K), bs, density, dtype, empty_rows=er, empty_cols=ec)
+    dense = torch.randn(K, N).to(dtype)
+    assert_close(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=K)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exact_on_small_integers(backend, dtype):
+    bsr = random_bsr((40, 60), (4, 6), 0.5, dtype, empty_rows=(3,), integers=True)
+    dense = torch.randint(-3, 4, (60, 33)).to(dtype)
+    assert torch.equal(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_addmm_beta_alpha(backend, dtype):
+    bsr = random_bsr((32, 24), (8, 4), 0.5, dtype, empty_rows=(1,))
+    dense = torch.randn(24, 20).to(dtype)
+    inp = torch.randn(32, 20).to(dtype)
+    for beta, alpha in [(1, 1), (0.5, -2.0), (0, 3), (2, 0)]:
+        got = bsrkit.bsr_dense_addmm(inp, bsr, dense, beta=beta, alpha=alpha)
+        assert_close(got, reference.bsr_dense_addmm(inp, bsr, dense, beta=beta, alpha=alpha), k=24)
+
+
+def test_addmm_beta_zero_ignores_nan_input(backend):
+    bsr = random_bsr((16, 16), (4, 4), 0.5, empty_rows=(0,))
+    inp = torch.full((16, 8), float("nan"))
+    out = bsrkit.bsr_dense_addmm(inp, bsr, torch.randn(16, 8), beta=0)
+    assert not out.isnan().any()
+
+
+def test_addmm_broadcast_input_and_out_is_input(backend):
+    bsr = random_bsr((16, 12), (4, 3), 0.5)
+    dense = torch.randn(12, 10)
+    row = torch.randn(10)
+    assert_close(
+        bsrkit.bsr_dense_addmm(row, bsr, dense, beta=2),
+        reference.bsr_dense_addmm(row.expand(16, 10), bsr, dense, beta=2),
+        k=12,
+    )
+    acc = torch.randn(16, 10)
+    expected = reference.bsr_dense_addmm(acc, bsr, dense, beta=1, alpha=0.5)
+    got = bsrkit.bsr_dense_addmm(acc, bsr, dense, alpha=0.5, out=acc)
+    assert got is acc
+    assert_close(acc, expected, k=12)
+
+
+@pytest.mark.parametrize(
+    "bsr_batch,dense_batch", [((), (3,)), ((2,), ()), ((2,), (2,)), ((2, 1), (1, 3)), ((), (2, 2))]
+)
+def test_batched_and_broadcast(backend, bsr_batch, dense_batch):
+    bsr = random_bsr((*bsr_batch, 24, 16), (6, 4), 0.5, empty_rows=(1,))
+    dense = torch.randn(*dense_batch, 16, 9)
+    got = bsrkit.bsr_dense_mm(bsr, dense)
+    ref = reference.bsr_dense_mm(bsr, dense)
+    assert got.shape == ref.shape
+    assert_close(got, ref, k=16)
+
+
+@pytest.mark.parametrize(
+    "make_dense",
+    [
+        lambda: torch.randn(40, 16).t(),  # column-major
+        lambda: torch.randn(16, 80)[:, ::2],  # strided columns: needs a copy
+        lambda: torch.randn(16, 1).expand(16, 40),  # expanded
+        lambda: torch.randn(3, 16, 40)[1],  # offset into storage
+        lambda: torch.randn(40, 3, 16).permute(1, 2, 0),  # batched, column-major per matrix
+    ],
+)
+def test_non_contiguous_dense(backend, make_dense):
+    dense = make_dense()
+    bsr = random_bsr((32, 16), (8, 4), 0.5, empty_rows=(2,))
+    assert_close(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "make_out",
+    [
+        lambda dt: torch.empty(40, 32, dtype=dt).t(),  # column-major
+        lambda dt: torch.empty(32, 80, dtype=dt)[:, ::2],  # needs a temporary
+        lambda dt: torch.empty(32, 50, dtype=dt)[:, 5:45],  # row stride > N
+    ],
+)
+def test_out_written_in_place(backend, dtype, make_out):
+    bsr = random_bsr((32, 16), (8, 4), 0.5, dtype, empty_rows=(0,))
+    dense = torch.randn(16, 40).to(dtype)
+    out = make_out(dtype)
+    out.fill_(float("nan"))  # every element must be written
+    got = bsrkit.bsr_dense_mm(bsr, dense, out=out)
+    assert got is out
+    assert_close(out, reference.bsr_dense_mm(bsr, dense), k=16)
+
+
+def test_batched_bsr_with_non_contiguous_batched_out(backend):
+    bsr = random_bsr((2, 16, 8), (4, 4), 0.5)
+    dense = torch.randn(2, 8, 6)
+    out = torch.empty(6, 2, 16).permute(1, 2, 0)
+    bsrkit.bsr_dense_mm(bsr, dense, out=out)
+    assert_close(out, reference.bsr_dense_mm(bsr, dense), k=8)
+
+
+@pytest.mark.parametrize("M,K,N", [(0, 8, 4), (8, 0, 4), (8, 8, 0)])
+def test_zero_sizes(backend, M, K, N):
+    bsr = torch.zeros(M, K).to_sparse_bsr((4, 4) if M and K else (1, 1))
+    out = bsrkit.bsr_dense_mm(bsr, torch.randn(K, N))
+    assert out.shape == (M, N)
+    assert not out.any()
+    inp = torch.randn(M, N)
+    assert torch.equal(bsrkit.bsr_dense_addmm(inp, bsr, torch.randn(K, N), beta=2), 2 * inp)
+
+
+def test_nnz_zero_writes_zeros(backend):
+    bsr = random_bsr((16, 16), (4, 4), 0.0)
+    assert bsr._nnz() == 0
+    out = torch.full((16, 5), float("nan"))
+    bsrkit.bsr_dense_mm(bsr, torch.randn(16, 5), out=out)
+    assert not out.any()
+
+
+def test_meta_override_and_threads(monkeypatch):
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsr = random_bsr((64, 64), (8, 8), 0.4, empty_rows=(0, 3))
+    dense = torch.randn(64, 100)
+    ref = reference.bsr_dense_mm(bsr, dense)
+    for panel, nthreads in itertools.product([1, 7, 64, 1000], [1, 2, 3]):
+        got = bsrkit.bsr_dense_mm(bsr, dense, meta={"panel": panel, "nthreads": nthreads})
+        assert_close(got, ref, k=64)
+    with pytest.raises(ValueError, match="unknown"):
+        bsrkit.bsr_dense_mm(bsr, dense, meta={"TILE_M": 16})
+    with pytest.raises(ValueError, match="int >= 1"):
+        bsrkit.bsr_dense_mm(bsr, dense, meta={"panel": 0})
+
+
+def test_in_place_index_change_is_never_stale(backend):
+    dense_a = torch.zeros(8, 8)
+    dense_a[:4, :4] = 1.0
+    bsr = dense_a.to_sparse_bsr((4, 4))
+    x = torch.randn(8, 3)
+    assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x))
+    bsr.col_indices()[0] = 1  # move the block to block column 1
+    assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x))
+
+
+def test_plan_cache_entry_dies_with_the_bsr(backend):
+    if backend != "cpu":
+        pytest.skip("the torch backend needs no plan")
+    bsrkit.cache_clear()
+    bsr = random_bsr((32, 32), (8, 8), 0.5)
+    x = torch.randn(32, 4)
+    bsrkit.bsr_dense_mm(bsr, x)
+    bsrkit.bsr_dense_mm(bsr, x)
+    info = bsrkit.cache_info()
+    assert (info.misses, info.hits, info.currsize) == (1, 1, 1)
+    assert info.nbytes > 0
+    crow_ref = weakref.ref(bsr.crow_indices())  # a fresh alias: dies now, says nothing
+    del crow_ref
+    del bsr
+    gc.collect()
+    info = bsrkit.cache_info()
+    assert (info.currsize, info.nbytes, info.dead_evictions) == (0, 0, 1)
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+
+def test_errors_name_the_argument():
+    bsr = random_bsr((8, 8), (4, 4), 0.5)
+    x = torch.randn(8, 3)
+    with pytest.raises(TypeError, match=r"bsr_dense_mm\(\): expected bsr to have layout torch.sparse_bsr"):
+        bsrkit.bsr_dense_mm(torch.randn(8, 8), x)
+    with pytest.raises(TypeError, match="expected bsr to be a torch.Tensor"):
+        bsrkit.bsr_dense_mm([1], x)
+    with pytest.raises(ValueError, match=r"expected dense.shape\[-2\] == 8 \(bsr.shape\[-1\]\), got 7"):
+        bsrkit.bsr_dense_mm(bsr, torch.randn(7, 3))
+    with pytest.raises(TypeError, match="expected dense.dtype == torch.float32"):
+        bsrkit.bsr_dense_mm(bsr, x.double())
+    with pytest.raises(ValueError, match="expected dense.device == cpu"):
+        bsrkit.bsr_dense_mm(bsr, x.to("meta"))
+    with pytest.raises(ValueError, match=r"expected out.shape == \(8, 3\), got \(8, 4\)"):
+        bsrkit.bsr_dense_mm(bsr, x, out=torch.empty(8, 4))
+    with pytest.raises(TypeError, match="expected out.dtype == torch.float32, got torch.float64"):
+        bsrkit.bsr_dense_mm(bsr, x, out=torch.empty(8, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        bsrkit.bsr_dense_mm(bsr, torch.randn(8))
+    with pytest.raises(ValueError, match="broadcastable batch"):
+        bsrkit.bsr_dense_mm(random_bsr((2, 8, 8), (4, 4), 0.5), torch.randn(3, 8, 3))
+    with pytest.raises(ValueError, match="expected input.shape to broadcast"):
+        bsrkit.bsr_dense_addmm(torch.randn(5, 3), bsr, x)
+    with pytest.raises(TypeError, match="expected beta to be a real number"):
+        bsrkit.bsr_dense_addmm(torch.randn(8, 3), bsr, x, beta="1")
+    with pytest.raises(TypeError, match="expected bsr.dtype in"):
+        bsrkit.bsr_dense_mm(torch.ones(4, 4, dtype=torch.int32).to_sparse_bsr((2, 2)), x.int())
+    with pytest.raises(ValueError, match="BSRKIT_BACKEND"):
+        import os
+
+        os.environ["BSRKIT_BACKEND"] = "gpu"
+        try:
+            bsrkit.bsr_dense_mm(bsr, x)
+        finally:
+            del os.environ["BSRKIT_BACKEND"]
