@@ -256,22 +256,38 @@ class _CacheState:
             self._release()
 
 
-def _key_part(value: Any, name: str, tensors: list[torch.Tensor], version: list[int]) -> Any:
+def _key_part(value: Any, name: Any, tensors: list[torch.Tensor], version: list[int]) -> Any:
+    """``value`` as a key component. ``name`` (an index or keyword) only serves the error message."""
     if isinstance(value, torch.Tensor):
         k = TensorKey(value)
         tensors.append(value)
         version.extend(k.version)
         return k
+    if type(value) in _SCALARS:
+        return value
     if isinstance(value, tuple):
-        return tuple(_key_part(v, f"{name}[{i}]", tensors, version) for i, v in enumerate(value))
+        return tuple(_key_part(v, (name, i), tensors, version) for i, v in enumerate(value))
     try:
         hash(value)
     except TypeError:
         raise TypeError(
-            f"weak_lru_cache: argument {name} must be a tensor or hashable, "
+            f"weak_lru_cache: argument {_describe(name)} must be a tensor or hashable, "
             f"got unhashable {type(value).__name__}"
         ) from None
     return value
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+def _describe(name: Any) -> str:
+    """'#0', "'scale'", or '#1[2]' for an item inside a tuple argument."""
+    path = []
+    while isinstance(name, tuple):
+        name, index = name
+        path.append(f"[{index}]")
+    head = f"#{name}" if isinstance(name, int) else repr(name)
+    return head + "".join(reversed(path))
 
 
 _KWARGS_MARK = object()
@@ -282,12 +298,12 @@ def _make_key(
 ) -> tuple[Hashable, list[torch.Tensor], tuple[int, ...]]:
     tensors: list[torch.Tensor] = []
     version: list[int] = []
-    parts: list[Any] = [_key_part(a, f"#{i}", tensors, version) for i, a in enumerate(args)]
+    parts: list[Any] = [_key_part(a, i, tensors, version) for i, a in enumerate(args)]
     if kwargs:
         parts.append(_KWARGS_MARK)
         for name in sorted(kwargs):
             parts.append(name)
-            parts.append(_key_part(kwargs[name], repr(name), tensors, version))
+            parts.append(_key_part(kwargs[name], name, tensors, version))
     return tuple(parts), tensors, tuple(version)
 
 

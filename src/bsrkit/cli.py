@@ -33,6 +33,20 @@ def random_bsr_weight(n: int, blocksize: int, density: float, seed: int = 0) -> 
     return (torch.randn((n, n), generator=g) * full).to_sparse_bsr((blocksize, blocksize))
 
 
+def _time_products(
+    bsr: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, repeats: int
+) -> tuple[float, float, float]:
+    """Median seconds of bsrkit, torch native BSR and dense torch.mm, measured in one run."""
+    import bsrkit
+
+    dense_w = bsr.to_dense()
+    return (
+        _median_seconds(lambda: bsrkit.bsr_dense_mm(bsr, dense, out=out), repeats),
+        _median_seconds(lambda: bsr @ dense, repeats),
+        _median_seconds(lambda: dense_w @ dense, repeats),
+    )
+
+
 def demo(args: argparse.Namespace) -> int:
     import bsrkit
     from bsrkit import reference
@@ -51,10 +65,7 @@ def demo(args: argparse.Namespace) -> int:
     err = ((out[:, sub] - check).abs().max() / check.abs().max().clamp_min(1e-30)).item()
     print(f"  result check vs masked-dense reference (first {sub.stop} columns): "
           f"max relative error {err:.2e} {'OK' if err < 1e-5 else 'FAIL'}")  # fmt: skip
-    dense_w = bsr.to_dense()
-    t_ours = _median_seconds(lambda: bsrkit.bsr_dense_mm(bsr, dense, out=out), args.repeats)
-    t_native = _median_seconds(lambda: bsr @ dense, args.repeats)
-    t_dense = _median_seconds(lambda: dense_w @ dense, args.repeats)
+    t_ours, t_native, t_dense = _time_products(bsr, dense, out, args.repeats)
     gflop = 2 * bsr._nnz() * bs * bs * n / 1e9
     print(f"  median of {args.repeats}: bsrkit {t_ours * 1e3:.1f} ms ({gflop / t_ours:.0f} GFLOP/s), "
           f"torch native BSR {t_native * 1e3:.1f} ms, dense torch.mm {t_dense * 1e3:.1f} ms")  # fmt: skip

@@ -20,6 +20,7 @@ SPARSE_COMPRESSED_LAYOUTS = frozenset(
     {torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
 )
 _ROW_COMPRESSED = frozenset({torch.sparse_csr, torch.sparse_bsr})
+_BLOCKED = frozenset({torch.sparse_bsr, torch.sparse_bsc})
 
 
 def _strided_identity(t: torch.Tensor) -> tuple[Any, ...]:
@@ -71,8 +72,10 @@ class TensorKey:
             self.version: tuple[int, ...] = (tensor._version,)
         elif layout in SPARSE_COMPRESSED_LAYOUTS:
             compressed, plain = _compressed_indices(tensor)
-            if layout in (torch.sparse_bsr, torch.sparse_bsc):
-                blocksize = tuple(tensor.values().shape[-2 - tensor.dense_dim() :][:2])
+            if layout in _BLOCKED:
+                # values: (*batch, nnz, *blocksize, *dense_dims); batch ndim = compressed.ndim - 1
+                nb = compressed.ndim
+                blocksize = tuple(tensor.values().shape[nb : nb + 2])
             else:
                 blocksize = ()
             self._identity = (

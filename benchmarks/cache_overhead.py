@@ -1,0 +1,62 @@
+"""Cost of TensorKey creation and of a cache hit, next to functools.lru_cache and torch's plan cache.
+
+.venv/bin/python benchmarks/cache_overhead.py
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import timeit
+import warnings
+
+import torch
+import torch.sparse._triton_ops as torch_triton_ops
+
+import bsrkit
+from bsrkit import TensorKey, plans, weak_lru_cache
+
+warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta state")
+
+
+def us(fn, number: int = 20000, repeat: int = 7) -> float:
+    """Median over `repeat` runs of the mean time per call, in microseconds."""
+    return statistics.median(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+
+
+def main() -> None:
+    t = torch.randn(256, 256)
+    bsr = (torch.randn(1024, 1024) * (torch.rand(1024, 1024) < 0.1)).to_sparse_bsr((32, 32))
+    x = torch.randn(1024, 1024)
+    print(f"TensorKey(strided):      {us(lambda: TensorKey(t)):6.2f} us")
+    print(f"TensorKey(bsr):          {us(lambda: TensorKey(bsr)):6.2f} us")
+
+    @functools.lru_cache(maxsize=128)
+    def plain(a):
+        return a
+
+    @weak_lru_cache(maxsize=128)
+    def weak(a):
+        return a + 1
+
+    plain(1)
+    weak(t)
+    print(f"functools.lru_cache hit (int arg):       {us(lambda: plain(1)):6.2f} us")
+    print(f"functools.lru_cache hit (TensorKey arg): {us(lambda: plain(TensorKey(t))):6.2f} us")
+    print(f"weak_lru_cache hit (strided tensor):     {us(lambda: weak(t)):6.2f} us")
+    plans.cpu_mm_plan(bsr, 2)
+    print(f"bsrkit plan-cache hit (bsr):             {us(lambda: plans.cpu_mm_plan(bsr, 2)):6.2f} us")
+    bsrkit.bsr_scatter_mm_indices_data(bsr, x)
+    print(
+        "bsrkit.bsr_scatter_mm_indices_data hit:  "
+        f"{us(lambda: bsrkit.bsr_scatter_mm_indices_data(bsr, x), number=2000):6.2f} us"
+    )
+    torch_triton_ops.bsr_scatter_mm_indices_data(bsr, x)
+    print(
+        "torch bsr_scatter_mm_indices_data hit:   "
+        f"{us(lambda: torch_triton_ops.bsr_scatter_mm_indices_data(bsr, x), number=2000):6.2f} us"
+    )
+
+
+if __name__ == "__main__":
+    main()
