@@ -233,3 +233,26 @@ def test_errors_name_the_argument():
             bsrkit.bsr_dense_mm(bsr, x)
         finally:
             del os.environ["BSRKIT_BACKEND"]
+
+
+def test_concurrent_products_from_threads(backend):
+    import threading
+
+    bsr = random_bsr((64, 64), (8, 8), 0.5, empty_rows=(1,))
+    xs = [torch.randn(64, 32) for _ in range(4)]
+    refs = [reference.bsr_dense_mm(bsr, x) for x in xs]
+    results = [None] * 4
+    barrier = threading.Barrier(4)
+
+    def work(i):
+        barrier.wait()
+        for _ in range(5):
+            results[i] = bsrkit.bsr_dense_mm(bsr, xs[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, ref in zip(results, refs, strict=True):
+        assert_close(got, ref, k=64)

@@ -8,6 +8,7 @@ Notation: ``bsr`` is a BSR tensor of shape ``(*Bb, M, K)`` with blocks ``(Ms, Ks
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -210,6 +211,10 @@ def _blas_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
     return t, layout[0], layout[1]
 
 
+# numba's default (workqueue) threading layer must not be entered from two threads at once; the kernel
+# already uses every worker thread, so serialising calls costs little.
+_KERNEL_LOCK = threading.Lock()
+
 _KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
@@ -256,8 +261,7 @@ def _cpu_addmm(
     )
     a_boff = _batch_offsets(values, values.ndim - 3, bsr_batch)
     isz_ab = values.element_size()
-    numba.set_num_threads(min(nthreads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
-    kernel(
+    args = (
         _KINDS[out.dtype], plan.crow, plan.col, plan.splits, bsr_of,
         values.data_ptr() - values.storage_offset() * isz_ab, a_boff, values.stride(-3),
         a_rowmajor, lda,
@@ -268,6 +272,9 @@ def _cpu_addmm(
         target_layout[0], target_layout[1],
         Ms, Ks, N, params["panel"], alpha, overwrite, isz_ab, target.element_size(),
     )  # fmt: skip
+    with _KERNEL_LOCK:
+        numba.set_num_threads(min(nthreads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+        kernel(*args)
     if target is not out:
         out.copy_(target)
 
