@@ -18,26 +18,9 @@ import torch
 
 import bsrkit
 from bsrkit import plans
+from bsrkit.benchmarking import median_seconds, random_bsr_weight
 
 warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta state")
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def random_bsr(n: int, bs: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.rand((n // bs, n // bs), generator=g) < density
-    full = mask.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
-    w = torch.randn((n, n), generator=g) * full
-    return w.to_sparse_bsr((bs, bs)), w
 
 
 def main() -> None:
@@ -61,11 +44,11 @@ def main() -> None:
         x = torch.randn(n, n)
         for bs in args.blocksizes:
             for d in args.densities:
-                bsr, w = random_bsr(n, bs, d, seed=n + bs)
+                bsr, w = random_bsr_weight(n, bs, d, seed=n + bs)
                 out = torch.empty(n, n)
-                t_ours = median_time(lambda: bsrkit.bsr_dense_mm(bsr, x, out=out), repeats)  # noqa: B023
-                t_nat = median_time(lambda: bsr @ x, repeats)  # noqa: B023
-                t_den = median_time(lambda: w @ x, repeats)  # noqa: B023
+                t_ours = median_seconds(lambda: bsrkit.bsr_dense_mm(bsr, x, out=out), repeats)  # noqa: B023
+                t_nat = median_seconds(lambda: bsr @ x, repeats)  # noqa: B023
+                t_den = median_seconds(lambda: w @ x, repeats)  # noqa: B023
                 flop = 2 * bsr._nnz() * bs * bs * n
                 gf, gf_nat, gf_den = flop / t_ours / 1e9, flop / t_nat / 1e9, 2 * n**3 / t_den / 1e9
                 print(
@@ -75,7 +58,7 @@ def main() -> None:
                     flush=True,
                 )
     # Plan cache: hit overhead and the cost of a miss for n=4096, blocksize 32, density 0.1.
-    bsr, _ = random_bsr(4096, 32, 0.1, seed=7)
+    bsr, _ = random_bsr_weight(4096, 32, 0.1, seed=7)
     plans.cpu_mm_plan(bsr, args.threads)
     hit = min(timeit.repeat(lambda: plans.cpu_mm_plan(bsr, args.threads), number=2000, repeat=5)) / 2000
     misses = []
@@ -85,7 +68,7 @@ def main() -> None:
         plans.cpu_mm_plan(bsr, args.threads)
         misses.append(time.perf_counter() - t0)
     x = torch.randn(4096, 4096)
-    t_prod = median_time(lambda: bsrkit.bsr_dense_mm(bsr, x), 3)
+    t_prod = median_seconds(lambda: bsrkit.bsr_dense_mm(bsr, x), 3)
     print(
         f"plan cache hit: {hit * 1e6:.2f} us; plan miss (4096, bs 32, density 0.1): "
         f"{statistics.median(misses) * 1e3:.2f} ms = {statistics.median(misses) / t_prod:.1%} of one "

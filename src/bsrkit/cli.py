@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import warnings
@@ -11,26 +10,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from bsrkit.benchmarking import median_seconds, random_bsr_weight
+
 __all__ = ["main"]
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: compiles, fills caches
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def random_bsr_weight(n: int, blocksize: int, density: float, seed: int = 0) -> torch.Tensor:
-    """An n x n float32 BSR matrix with about ``density`` of its blocks stored (random normal)."""
-    g = torch.Generator().manual_seed(seed)
-    nb = n // blocksize
-    mask = torch.rand((nb, nb), generator=g) < density
-    full = mask.repeat_interleave(blocksize, 0).repeat_interleave(blocksize, 1)
-    return (torch.randn((n, n), generator=g) * full).to_sparse_bsr((blocksize, blocksize))
 
 
 def _time_products(
@@ -41,9 +23,9 @@ def _time_products(
 
     dense_w = bsr.to_dense()
     return (
-        _median_seconds(lambda: bsrkit.bsr_dense_mm(bsr, dense, out=out), repeats),
-        _median_seconds(lambda: bsr @ dense, repeats),
-        _median_seconds(lambda: dense_w @ dense, repeats),
+        median_seconds(lambda: bsrkit.bsr_dense_mm(bsr, dense, out=out), repeats),
+        median_seconds(lambda: bsr @ dense, repeats),
+        median_seconds(lambda: dense_w @ dense, repeats),
     )
 
 
@@ -54,7 +36,7 @@ def demo(args: argparse.Namespace) -> int:
     n, bs, density = args.size, args.blocksize, args.density
     print(f"bsrkit {bsrkit.__version__} demo: {n}x{n} BSR weight (blocksize {bs}, block density "
           f"{density}) @ {n}x{n} dense, float32, {torch.get_num_threads()} threads")  # fmt: skip
-    bsr = random_bsr_weight(n, bs, density)
+    bsr, _ = random_bsr_weight(n, bs, density)
     dense = torch.randn(n, n, generator=torch.Generator().manual_seed(1))
     t0 = time.perf_counter()
     out = bsrkit.bsr_dense_mm(bsr, dense)
