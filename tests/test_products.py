@@ -225,12 +225,13 @@ def test_errors_name_the_argument():
         bsrkit.bsr_dense_addmm(torch.randn(8, 3), bsr, x, beta="1")
     with pytest.raises(TypeError, match="expected bsr.dtype in"):
         bsrkit.bsr_dense_mm(torch.ones(4, 4, dtype=torch.int32).to_sparse_bsr((2, 2)), x.int())
+    empty = random_bsr((8, 8), (4, 4), 0.0)
     with pytest.raises(ValueError, match="BSRKIT_BACKEND"):
         import os
 
         os.environ["BSRKIT_BACKEND"] = "gpu"
         try:
-            bsrkit.bsr_dense_mm(bsr, x)
+            bsrkit.bsr_dense_mm(empty, x)  # even where no kernel runs
         finally:
             del os.environ["BSRKIT_BACKEND"]
 

@@ -126,6 +126,7 @@ def _addmm(
     check_strided(op, "dense", dense)
     check_same_dtype(op, "dense", dense, "bsr", bsr)
     check_same_device(op, "dense", dense, "bsr", bsr)
+    backend = select_backend(op, bsr.device, bsr.dtype)  # here, so a bad override fails on every input
     M, K = bsr.shape[-2:]
     if dense.shape[-2] != K:
         raise ValueError(f"{op}(): expected dense.shape[-2] == {K} (bsr.shape[-1]), got {dense.shape[-2]}")
@@ -165,7 +166,6 @@ def _addmm(
             out.zero_()
         return out
 
-    backend = select_backend(op, bsr.device, bsr.dtype)
     if backend == "cpu":
         _cpu_addmm(op, bsr, dense, out, batch, alpha, overwrite, meta)
     else:
