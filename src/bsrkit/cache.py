@@ -157,13 +157,20 @@ class _CacheState:
     # -- the memoized call ------------------------------------------------------------------------
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key, tensors, version = _make_key(args, kwargs)
-        self.lock.acquire()
+        lock = self.lock
+        lock.acquire()
+        entry = self.entries.get(key)
+        if entry is not None and entry.version == version:  # the hot path, inlined
+            self.entries.move_to_end(key)
+            self.hits += 1
+            if self.dead:
+                self._release()
+            else:
+                lock.release()
+                if self.dead and lock.acquire(blocking=False):  # a callback raced the release
+                    self._release()
+            return entry.value
         try:
-            entry = self.entries.get(key)
-            if entry is not None and entry.version == version:
-                self.entries.move_to_end(key)
-                self.hits += 1
-                return entry.value
             pending = self.inflight.get(key)
             if pending is None:
                 pending = self.inflight[key] = _InFlight()
@@ -298,7 +305,17 @@ def _make_key(
 ) -> tuple[Hashable, list[torch.Tensor], tuple[int, ...]]:
     tensors: list[torch.Tensor] = []
     version: list[int] = []
-    parts: list[Any] = [_key_part(a, i, tensors, version) for i, a in enumerate(args)]
+    parts: list[Any] = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):  # the common cases first, without a call
+            k = TensorKey(a)
+            tensors.append(a)
+            version += k.version
+            parts.append(k)
+        elif type(a) in _SCALARS:
+            parts.append(a)
+        else:
+            parts.append(_key_part(a, i, tensors, version))
     if kwargs:
         parts.append(_KWARGS_MARK)
         for name in sorted(kwargs):

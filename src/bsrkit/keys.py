@@ -38,6 +38,12 @@ def _strided_identity(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
+def _index_identity(t: torch.Tensor) -> tuple[Any, ...]:
+    # Index tensors are integer, strided and on the sparse tensor's device (its device is in the key
+    # already); the conj/neg bits never apply to them.
+    return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
 def _compressed_indices(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if t.layout in _ROW_COMPRESSED:
         return t.crow_indices(), t.col_indices()
@@ -49,9 +55,10 @@ class TensorKey:
 
     * strided tensors (any dtype): ``(device, dtype, data_ptr, storage_offset, shape, stride, is_conj,
       is_neg, layout)``;
-    * sparse compressed tensors (CSR/CSC/BSR/BSC): ``(layout, shape, blocksize, key(compressed indices),
-      key(plain indices))``. The values are deliberately not part of the key: what is cached for a
-      sparse tensor (a *plan*) depends on its sparsity pattern only.
+    * sparse compressed tensors (CSR/CSC/BSR/BSC): ``(layout, device, shape, blocksize, identity of the
+      compressed indices, identity of the plain indices)``, an index identity being ``(data_ptr,
+      storage_offset, shape, stride, dtype)``. The values are deliberately not part of the key: what is
+      cached for a sparse tensor (a *plan*) depends on its sparsity pattern only.
 
     While both tensors are alive, equal keys mean "the same memory viewed the same way". A key whose
     tensor has died compares equal only to itself, so a new tensor allocated at a dead one's address can
@@ -80,10 +87,11 @@ class TensorKey:
                 blocksize = ()
             self._identity = (
                 layout,
+                tensor.device,
                 tensor.shape,
                 blocksize,
-                _strided_identity(compressed),
-                _strided_identity(plain),
+                _index_identity(compressed),
+                _index_identity(plain),
             )
             self.version = (compressed._version, plain._version)
         else:

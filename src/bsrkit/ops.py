@@ -7,6 +7,7 @@ Notation: ``bsr`` is a BSR tensor of shape ``(*Bb, M, K)`` with blocks ``(Ms, Ks
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from bsrkit import plans, tuning
 from bsrkit.backends import torch_ops
+from bsrkit.backends.cpu import blas_layout
 from bsrkit.validation import (
     broadcast_batch,
     check_bsr,
@@ -50,17 +52,26 @@ def select_backend(op: str, device: torch.device, dtype: torch.dtype) -> str:
             raise ValueError(f"{op}(): expected ${BACKEND_ENV} in {_BACKENDS}, got {forced!r}")
         if forced == "cpu" and device.type != "cpu":
             raise ValueError(f"{op}(): ${BACKEND_ENV}=cpu needs CPU tensors, got device {device}")
-        if forced == "torch" or _cpu_kernel() is not None:
-            return forced
+        if forced == "cpu" and _cpu_kernel() is None:
+            raise ValueError(
+                f"{op}(): ${BACKEND_ENV}=cpu needs MKL's gemm exported by torch's CPU library, "
+                "which this torch build lacks"
+            )
+        return forced
     if device.type == "cpu" and _cpu_kernel() is not None:
         return "cpu"
     return "torch"
 
 
-def _cpu_kernel() -> Any:
-    from bsrkit.backends.cpu import bsr_mm_kernel
+_compiled: list[Any] = []  # the CPU kernel once looked up (None when unavailable): no import per call
 
-    return bsr_mm_kernel()
+
+def _cpu_kernel() -> Any:
+    if not _compiled:
+        from bsrkit.backends.cpu import bsr_mm_kernel
+
+        _compiled.append(bsr_mm_kernel())
+    return _compiled[0]
 
 
 # -- the main products --------------------------------------------------------------------------------
@@ -186,6 +197,8 @@ def _batch_offsets(t: torch.Tensor, t_batch_ndim: int, batch: torch.Size) -> np.
     """Element offset (from the storage start) of each flattened index of ``batch``, for ``t`` whose
     first ``t_batch_ndim`` dimensions broadcast to ``batch``. No copies: broadcast dims add 0."""
     nd = len(batch)
+    if t_batch_ndim == 0:
+        return np.full(math.prod(batch), t.storage_offset(), dtype=np.int64)
     offsets = np.full(tuple(batch), t.storage_offset(), dtype=np.int64)
     lead = nd - t_batch_ndim
     for d in range(t_batch_ndim):
@@ -200,8 +213,6 @@ def _batch_offsets(t: torch.Tensor, t_batch_ndim: int, batch: torch.Size) -> np.
 
 def _blas_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
     """``t`` (a stack of matrices) with a layout BLAS can read, copying only when it cannot."""
-    from bsrkit.backends.cpu import blas_layout
-
     rows, cols = t.shape[-2:]
     layout = blas_layout(t.stride(-2), t.stride(-1), rows, cols)
     if layout is None:
@@ -214,6 +225,17 @@ def _blas_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
 # numba's default (workqueue) threading layer must not be entered from two threads at once; the kernel
 # already uses every worker thread, so serialising calls costs little.
 _KERNEL_LOCK = threading.Lock()
+
+_numba_threads = threading.local()  # numba's thread count is per calling thread: remember what we set
+
+
+def _set_numba_threads(n: int) -> None:
+    if getattr(_numba_threads, "n", None) != n:
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+        _numba_threads.n = n
+
 
 _KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 
@@ -228,11 +250,7 @@ def _cpu_addmm(
     overwrite: bool,
     meta: dict[str, Any] | None,
 ) -> None:
-    import numba
-
-    from bsrkit.backends.cpu import blas_layout, bsr_mm_kernel
-
-    kernel = bsr_mm_kernel()
+    kernel = _cpu_kernel()
     M = bsr.shape[-2]
     N = dense.shape[-1]
     params = tuning.cpu_mm_meta(op, N, meta)
@@ -255,10 +273,13 @@ def _cpu_addmm(
         assert target_layout is not None
 
     bsr_batch = bsr.shape[:-2]
-    n_bsr = int(np.prod(bsr_batch, dtype=np.int64))
-    bsr_of = np.ascontiguousarray(
-        np.broadcast_to(np.arange(n_bsr, dtype=np.int64).reshape(bsr_batch), batch).reshape(-1)
-    )
+    n_bsr = math.prod(bsr_batch)
+    if bsr_batch == batch:
+        bsr_of = np.arange(n_bsr, dtype=np.int64)
+    else:
+        bsr_of = np.ascontiguousarray(
+            np.broadcast_to(np.arange(n_bsr, dtype=np.int64).reshape(bsr_batch), batch).reshape(-1)
+        )
     a_boff = _batch_offsets(values, values.ndim - 3, bsr_batch)
     isz_ab = values.element_size()
     args = (
@@ -273,7 +294,7 @@ def _cpu_addmm(
         Ms, Ks, N, params["panel"], alpha, overwrite, isz_ab, target.element_size(),
     )  # fmt: skip
     with _KERNEL_LOCK:
-        numba.set_num_threads(min(nthreads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+        _set_numba_threads(nthreads)
         kernel(*args)
     if target is not out:
         out.copy_(target)
@@ -336,7 +357,7 @@ def bsr_scatter_mm_indices_data(
     if other.shape[-2] != K:
         raise ValueError(f"{op}(): expected other.shape[-2] == {K} (bsr.shape[-1]), got {other.shape[-2]}")
     N = other.shape[-1]
-    nbatches = int(np.prod(other.shape[:-2], dtype=np.int64))
+    nbatches = math.prod(other.shape[:-2])
     if indices_format == "scatter_mm":
         if N % Ms:
             raise ValueError(
@@ -450,7 +471,7 @@ def bsr_scatter_mm(
     fmt = indices_data[0] if isinstance(indices_data, tuple) and indices_data else None
     if fmt == "scatter_mm":
         Ms, Ks = bsr.values().shape[-2:]
-        nb = int(np.prod(other.shape[:-2], dtype=np.int64))
+        nb = math.prod(other.shape[:-2])
         # Tiles of other (Ks x Ms) and of out (Ms x Ms), in the order the "scatter_mm" indices use.
         others = other.reshape(nb, K // Ks, Ks, N // Ms, Ms).permute(0, 1, 3, 2, 4).reshape(-1, Ks, Ms)
         acc = scatter_mm(bsr.values(), others, indices_data)

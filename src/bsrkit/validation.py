@@ -62,6 +62,9 @@ def check_same_device(op: str, name: str, t: torch.Tensor, ref_name: str, ref: t
 
 def broadcast_batch(op: str, names: tuple[str, ...], shapes: tuple[torch.Size, ...]) -> torch.Size:
     """Broadcast batch shapes with an error that names the operands."""
+    nonempty = [s for s in shapes if len(s)]
+    if not nonempty or all(s == nonempty[0] for s in nonempty):  # common cases, without torch's Python
+        return torch.Size(nonempty[0] if nonempty else ())
     try:
         return torch.broadcast_shapes(*shapes)
     except RuntimeError:
