@@ -1,6 +1,13 @@
-import pytest
+import json
+import warnings
 
+import pytest
+import torch
+
+import bsrkit
+from bsrkit import tuning
 from bsrkit.cli import main
+from helpers import random_bsr
 
 
 def test_demo_runs_and_checks_its_result(capsys):
@@ -12,9 +19,118 @@ def test_demo_runs_and_checks_its_result(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["demo", "--size", "100", "--blocksize", "16"], ["demo", "--density", "-1"], ["nope"]]
+    "argv",
+    [
+        ["demo", "--size", "100", "--blocksize", "16"],
+        ["demo", "--density", "-1"],
+        ["nope"],
+        ["bench", "--ops", "sampled"],
+        ["bench", "--ops", "mm,foo"],
+        ["bench", "--sizes", "100", "--blocksizes", "16"],
+        ["bench", "--densities", "2"],
+        ["tune", "--panels", "0"],
+    ],
 )
-def test_bad_arguments_exit_2(argv):
+def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bsrkit") and "error:" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_help_for_each_command(capsys):
+    for cmd in ("demo", "bench", "tune"):
+        with pytest.raises(SystemExit) as exc:
+            main([cmd, "--help"])
+        assert exc.value.code == 0
+        assert "usage: bsrkit " + cmd in capsys.readouterr().out
+
+
+def test_bench_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    argv = ["bench", "--sizes", "64", "--blocksizes", "16,32", "--densities", "0.25,0.5"]
+    argv += ["--ops", "mm,addmm", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png)]
+    assert main(argv) == 0
+    data = json.loads(out_json.read_text())
+    assert data["schema"] == "bsrkit-bench/1" and data["complete"] is True
+    assert len(data["results"]) == 8
+    keys = {"op", "n", "blocksize", "density", "dtype", "bsrkit_s", "native_s", "dense_s", "x_native"}
+    for row in data["results"]:
+        assert keys <= row.keys()
+        assert row["bsrkit_s"] > 0 and row["x_native"] == pytest.approx(row["native_s"] / row["bsrkit_s"])
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 1000
+    table = capsys.readouterr().out
+    assert "x native" in table and "addmm" in table
+
+
+def test_bench_ctrl_c_prints_what_finished(monkeypatch, capsys):
+    import bsrkit.benchmarking as b
+
+    real = b.run_point
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(b, "run_point", flaky)
+    code = main(["bench", "--sizes", "64", "--blocksizes", "16", "--densities", "0.25,0.5", "--repeats", "1"])
+    assert code == 130
+    captured = capsys.readouterr()
+    assert "interrupted: 1 of 2" in captured.err
+    assert captured.out.count("float32") == 1  # the finished row
+
+
+def test_tune_writes_a_table_that_products_use(tmp_path, monkeypatch):
+    table = tmp_path / "t.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    assert main(["tune", "--sizes", "64", "--blocksizes", "16", "--panels", "48", "--threads", "1"]) == 0
+    data = json.loads(table.read_text())
+    assert data["format"] == "bsrkit-tuning" and data["version"] == 1
+    params = tuning.cpu_mm_meta("bsr_dense_mm", torch.float32, (64, 64, 64), (16, 16), None)
+    assert params == {"panel": 48, "nthreads": 1}
+    # Products run with the tuned parameters (and stay correct).
+    seen = []
+    real = tuning.cpu_mm_meta
+    monkeypatch.setattr(tuning, "cpu_mm_meta", lambda *a: seen.append(real(*a)) or seen[-1])
+    bsr = random_bsr((64, 64), (16, 16), 0.5)
+    x = torch.randn(64, 64)
+    torch.testing.assert_close(bsrkit.bsr_dense_mm(bsr, x), bsr.to_dense() @ x)
+    assert seen == [{"panel": 48, "nthreads": 1}]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"format": "other", "version": 1}',
+        '{"format": "bsrkit-tuning", "version": 99, "entries": {}}',
+        "[1, 2]",
+    ],
+)
+def test_corrupt_or_foreign_table_is_reported_and_ignored(tmp_path, monkeypatch, content):
+    table = tmp_path / "bad.json"
+    table.write_text(content)
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    monkeypatch.setattr(tuning, "_warned", set())
+    with pytest.warns(tuning.TuningWarning, match="ignoring tuning table"):
+        params = tuning.cpu_mm_meta("bsr_dense_mm", torch.float32, (64, 64, 64), (16, 16), None)
+    assert params["panel"] == 64  # the default, clipped to N
+    # tune replaces a corrupt table instead of crashing
+    assert main(["tune", "--sizes", "64", "--blocksizes", "16", "--panels", "32", "--threads", "1"]) == 0
+    assert json.loads(table.read_text())["version"] == 1
+
+
+def test_fallback_warning_once_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "missing.json"))
+    monkeypatch.setattr(tuning, "_warned", set())
+    bsr = random_bsr((32, 32), (8, 8), 0.5)
+    with pytest.warns(tuning.TuningWarning, match="bsrkit tune --sizes 16 --blocksizes 8"):
+        bsrkit.bsr_dense_mm(bsr, torch.randn(32, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tuning.TuningWarning)
+        bsrkit.bsr_dense_mm(bsr, torch.randn(32, 16))  # second time: silent

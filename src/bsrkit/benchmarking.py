@@ -32,3 +32,74 @@ def random_bsr_weight(
     full = mask.repeat_interleave(blocksize, 0).repeat_interleave(blocksize, 1)
     dense = torch.randn((n, n), generator=g) * full
     return dense.to_sparse_bsr((blocksize, blocksize)), dense
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def run_point(
+    op: str, n: int, blocksize: int, density: float, dtype: torch.dtype, repeats: int, seed: int = 0
+) -> dict[str, object]:
+    """One grid point: median seconds of bsrkit, torch native BSR and dense, measured in one run.
+
+    ``op`` is ``"mm"`` (``bsr @ dense``) or ``"addmm"`` (``input + bsr @ dense``); all n x n.
+    """
+    import bsrkit
+
+    bsr, w = random_bsr_weight(n, blocksize, density, seed)
+    bsr, w = bsr.to(dtype), w.to(dtype)
+    x = torch.randn((n, n), generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    out = torch.empty((n, n), dtype=dtype)
+    if op == "mm":
+        ours = lambda: bsrkit.bsr_dense_mm(bsr, x, out=out)  # noqa: E731
+        native = lambda: bsr @ x  # noqa: E731
+        dense = lambda: w @ x  # noqa: E731
+    elif op == "addmm":
+        c = torch.randn((n, n)).to(dtype)
+        ours = lambda: bsrkit.bsr_dense_addmm(c, bsr, x, out=out)  # noqa: E731
+        native = lambda: torch.addmm(c, bsr, x)  # noqa: E731
+        dense = lambda: torch.addmm(c, w, x)  # noqa: E731
+    else:
+        raise ValueError(f"run_point(): expected op in ('mm', 'addmm'), got {op!r}")
+    t_ours = median_seconds(ours, repeats)
+    t_native = median_seconds(native, repeats)
+    t_dense = median_seconds(dense, repeats)
+    flop = 2 * bsr._nnz() * blocksize * blocksize * n
+    return {
+        "op": op,
+        "n": n,
+        "blocksize": blocksize,
+        "density": density,
+        "dtype": str(dtype).removeprefix("torch."),
+        "nnz_blocks": bsr._nnz(),
+        "bsrkit_s": t_ours,
+        "native_s": t_native,
+        "dense_s": t_dense,
+        "x_native": t_native / t_ours,
+        "x_dense": t_dense / t_ours,
+        "gflops": flop / t_ours / 1e9,
+        "native_gflops": flop / t_native / 1e9,
+        "dense_gflops": 2 * n**3 / t_dense / 1e9,
+    }
+
+
+def format_table(rows: list[dict[str, object]]) -> str:
+    """The rows of :func:`run_point` as an aligned text table."""
+    header = (
+        f"{'op':>5} {'dtype':>8} {'n':>5} {'bs':>3} {'dens':>5} | {'bsrkit ms':>9} {'native ms':>9} "
+        f"{'dense ms':>9} | {'x native':>8} {'x dense':>7} | {'GF/s':>6} {'nativeGF':>8} {'denseGF':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['op']:>5} {r['dtype']:>8} {r['n']:>5} {r['blocksize']:>3} {r['density']:>5} | "
+            f"{float(r['bsrkit_s']) * 1e3:>9.2f} {float(r['native_s']) * 1e3:>9.2f} "  # type: ignore[arg-type]
+            f"{float(r['dense_s']) * 1e3:>9.2f} | {r['x_native']:>8.2f} {r['x_dense']:>7.2f} | "  # type: ignore[arg-type]
+            f"{r['gflops']:>6.1f} {r['native_gflops']:>8.1f} {r['dense_gflops']:>7.1f}"
+        )
+    return "\n".join(lines)

@@ -1,12 +1,19 @@
-"""The ``bsrkit`` command. ``bsrkit demo``: the README's main job, on built-in random data."""
+"""The ``bsrkit`` command.
+
+* ``bsrkit demo``: the README's main job, on built-in random data;
+* ``bsrkit bench``: bsrkit vs torch native BSR vs dense over a grid (table, JSON, PNG plot);
+* ``bsrkit tune``: search the CPU kernel's parameters and store the best in the tuning table.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import torch
 
@@ -62,30 +69,216 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if err < 1e-5 else 1
 
 
-def _positive(kind: type) -> Callable[[str], object]:
-    def parse(text: str) -> object:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text}")
-        return value
+def _parse_list(kind: type, positive: bool = True) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        try:
+            values = [kind(v) for v in text.replace(",", " ").split()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {kind.__name__}, got {text!r}"
+            ) from None
+        if not values or (positive and any(v <= 0 for v in values)):
+            raise argparse.ArgumentTypeError(f"expected positive {kind.__name__} values, got {text!r}")
+        return values
 
     return parse
 
 
+def _check_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for n in args.sizes:
+        for bs in args.blocksizes:
+            if n % bs:
+                parser.error(
+                    f"every size must be a multiple of every blocksize, got size {n} and blocksize {bs}"
+                )
+    if any(d > 1 for d in getattr(args, "densities", [])):
+        parser.error(f"densities must be in (0, 1], got {args.densities}")
+
+
+def bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from bsrkit.benchmarking import DTYPES, format_table, run_point
+
+    grid = [
+        (op, n, bs, d)
+        for op in args.ops
+        for n in args.sizes
+        for bs in args.blocksizes
+        for d in args.densities
+    ]
+    rows: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        for op, n, bs, d in tqdm(grid, desc="bsrkit bench", unit="point", file=sys.stderr):
+            repeats = args.repeats or (9 if n <= 1024 else 5 if n <= 2048 else 3)
+            rows.append(run_point(op, n, bs, d, DTYPES[args.dtype], repeats))
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"\ninterrupted: {len(rows)} of {len(grid)} points finished", file=sys.stderr)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians, ratios from one run")
+    print(format_table(rows))
+    if args.json:
+        payload = {
+            "schema": "bsrkit-bench/1",
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "complete": not interrupted,
+            "results": rows,
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot and rows:
+        plot_speedups(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 130 if interrupted else 0
+
+
+def plot_speedups(rows: list[dict[str, Any]], path: str) -> None:
+    """Speedup over dense vs density, a line per (op, n, blocksize); torch native dashed, same colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["n"], r["blocksize"]), []).append(r)
+    for i, ((op, n, bs), rs) in enumerate(sorted(groups.items())):
+        rs = sorted(rs, key=lambda r: r["density"])
+        dens = [r["density"] for r in rs]
+        color = f"C{i % 10}"
+        ax.plot(dens, [r["x_dense"] for r in rs], "o-", color=color, label=f"bsrkit {op} n={n} bs={bs}")
+        ax.plot(
+            dens,
+            [r["dense_s"] / r["native_s"] for r in rs],
+            "x--",
+            color=color,
+            alpha=0.6,
+            label=f"torch native {op} n={n} bs={bs}",
+        )
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.set_xlabel("block density")
+    ax.set_ylabel("speedup over dense torch.mm")
+    ax.set_yscale("log")
+    ax.set_title("Block-sparse vs dense: above 1 the sparse product wins")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _tune_shape(
+    bsr: torch.Tensor, x: torch.Tensor, out: torch.Tensor, panels: list[int], threads: list[int], repeats: int
+) -> tuple[float, dict[str, int], float]:
+    """(best seconds, best meta, seconds with the defaults) over the panel x thread grid."""
+    import bsrkit
+
+    def timed(meta: dict[str, int]) -> float:
+        return median_seconds(lambda: bsrkit.bsr_dense_mm(bsr, x, out=out, meta=meta), repeats)
+
+    results = [
+        (timed({"panel": p, "nthreads": t}), {"panel": p, "nthreads": t}) for p in panels for t in threads
+    ]
+    best_t, best = min(results, key=lambda r: r[0])
+    return best_t, best, timed({})  # meta={} means "the defaults", without a table lookup
+
+
+def tune(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from bsrkit import tuning
+    from bsrkit.benchmarking import DTYPES, random_bsr_weight
+
+    dtype = DTYPES[args.dtype]
+    device = tuning.cpu_device_name()
+    panels = args.panels
+    threads = args.threads or sorted({1, torch.get_num_threads()})
+    found: dict[str, dict[str, Any]] = {}
+    jobs = [(n, bs) for n in args.sizes for bs in args.blocksizes]
+    for n, bs in tqdm(jobs, desc="bsrkit tune", unit="shape", file=sys.stderr):
+        bsr, _ = random_bsr_weight(n, bs, args.density)
+        bsr = bsr.to(dtype)
+        x = torch.randn(n, n).to(dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        best_t, best, default = _tune_shape(bsr, x, out, panels, threads, args.repeats)
+        print(
+            f"n={n} blocksize={bs}: best panel={best['panel']} nthreads={best['nthreads']} "
+            f"{best_t * 1e3:.2f} ms (defaults {default * 1e3:.2f} ms, {default / best_t:.2f}x)"
+        )
+        for op in ("bsr_dense_mm", "bsr_dense_addmm"):
+            key = tuning.table_key(device, op, dtype, (n, n, n), (bs, bs))
+            found[key] = {**best, "seconds": round(best_t, 6), "density": args.density}
+    path = tuning.save_entries(found, args.table)
+    print(f"wrote {len(found)} entries to {path}")
+    return 0
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta state")
-    parser = argparse.ArgumentParser(prog="bsrkit", description="Block-sparse products for PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _OneLineErrors(prog="bsrkit", description="Block-sparse products for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
+
     p = sub.add_parser("demo", help="multiply a random BSR weight by a dense matrix and compare")
-    p.add_argument("--size", type=_positive(int), default=2048, help="matrix size n (default 2048)")
-    p.add_argument("--blocksize", type=_positive(int), default=32, help="block size (default 32)")
-    p.add_argument("--density", type=_positive(float), default=0.1, help="block density (0.1)")
-    p.add_argument("--repeats", type=_positive(int), default=5, help="timed repeats (default 5)")
+    p.add_argument("--size", type=_parse_list(int), default=[2048], help="matrix size n (default 2048)")
+    p.add_argument("--blocksize", type=_parse_list(int), default=[32], help="block size (default 32)")
+    p.add_argument("--density", type=_parse_list(float), default=[0.1], help="block density (0.1)")
+    p.add_argument("--repeats", type=_parse_list(int), default=[5], help="timed repeats (default 5)")
     p.set_defaults(run=demo)
+
+    p = sub.add_parser("bench", help="time bsrkit vs torch native BSR vs dense over a grid")
+    p.add_argument("--sizes", type=_parse_list(int), default=[1024, 2048], help="n values (1024,2048)")
+    p.add_argument("--blocksizes", type=_parse_list(int), default=[16, 32, 64], help="(16,32,64)")
+    p.add_argument("--densities", type=_parse_list(float), default=[0.05, 0.1, 0.25, 0.5])
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32")
+    p.add_argument("--ops", type=_parse_ops, default=["mm"], help="comma list of mm,addmm (default mm)")
+    p.add_argument("--repeats", type=int, default=0, help="timed repeats per point (0: by size)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write speedup-over-dense vs density (PNG)")
+    p.set_defaults(run=bench)
+
+    p = sub.add_parser("tune", help="search the CPU kernel's parameters and store them")
+    p.add_argument("--sizes", type=_parse_list(int), default=[2048], help="n values (default 2048)")
+    p.add_argument("--blocksizes", type=_parse_list(int), default=[32], help="(default 32)")
+    p.add_argument("--density", type=float, default=0.1, help="block density to tune at (0.1)")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32")
+    p.add_argument("--panels", type=_parse_list(int), default=[64, 128, 256, 512, 1024])
+    p.add_argument("--threads", type=_parse_list(int), default=None, help="thread counts to try")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--table", metavar="FILE", default=None, help="tuning table (default: user cache)")
+    p.set_defaults(run=tune)
+
     args = parser.parse_args(argv)
-    if args.command == "demo" and args.size % args.blocksize:
-        parser.error(f"--size must be a multiple of --blocksize, got {args.size} and {args.blocksize}")
+    if args.command == "demo":
+        for name in ("size", "blocksize", "density", "repeats"):
+            setattr(args, name, getattr(args, name)[0])
+        if args.size % args.blocksize:
+            parser.error(f"--size must be a multiple of --blocksize, got {args.size} and {args.blocksize}")
+        if args.density > 1:
+            parser.error(f"--density must be in (0, 1], got {args.density}")
+    else:
+        _check_grid(parser, args)
+        if args.command == "tune" and not 0 < args.density <= 1:
+            parser.error(f"--density must be in (0, 1], got {args.density}")
     return int(args.run(args))
+
+
+def _parse_ops(text: str) -> list[str]:
+    ops = [o.strip() for o in text.split(",") if o.strip()]
+    known = ("mm", "addmm")
+    bad = [o for o in ops if o not in known]
+    if "sampled" in bad:
+        raise argparse.ArgumentTypeError("'sampled' needs sampled_addmm, which bsrkit does not have yet")
+    if bad or not ops:
+        raise argparse.ArgumentTypeError(f"expected ops among {known}, got {text!r}")
+    return ops
 
 
 if __name__ == "__main__":

@@ -253,11 +253,11 @@ def _cpu_addmm(
     kernel = _cpu_kernel()
     M = bsr.shape[-2]
     N = dense.shape[-1]
-    params = tuning.cpu_mm_meta(op, N, meta)
-    nthreads = params["nthreads"]
-    plan = plans.cpu_mm_plan(bsr, nthreads)
     values = bsr.values()
     Ms, Ks = values.shape[-2:]
+    params = tuning.cpu_mm_meta(op, out.dtype, (M, bsr.shape[-1], N), (Ms, Ks), meta)
+    nthreads = params["nthreads"]
+    plan = plans.cpu_mm_plan(bsr, nthreads)
     values, a_rowmajor, lda = _blas_operand(values)
     dense, b_rowmajor, ldb = _blas_operand(dense)
 

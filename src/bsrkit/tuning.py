@@ -1,17 +1,166 @@
-"""Kernel parameters: defaults, and validation of a user's ``meta=`` override.
+"""Kernel parameters: defaults, a persisted per-device tuning table, and ``meta=`` validation.
 
-Tuning stays out of kernels: every op takes ``meta=`` (a dict) and otherwise asks this module. The
-persisted per-device tuning table and the tuner come with the CLI (``bsrkit tune``).
+Tuning stays out of kernels: every op takes ``meta=`` (a dict); without it, the op looks its shape up in
+the tuning table that ``bsrkit tune`` writes, and falls back to defaults with a one-time
+:class:`TuningWarning` naming the command to run.
+
+The table is JSON: ``{"format": "bsrkit-tuning", "version": 1, "entries": {key: params}}`` with keys
+``"<device name>|<op>|<dtype>|M,K,N|Ms x Ks"``. It lives in the user cache directory (platformdirs) unless
+``$BSRKIT_TUNING_TABLE`` or ``--table`` names another file. A corrupt or foreign file is reported (one
+warning) and ignored, never a crash.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import platform
+import tempfile
+import threading
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["cpu_mm_meta", "scatter_mm_meta"]
+__all__ = [
+    "TABLE_ENV",
+    "TuningWarning",
+    "cpu_device_name",
+    "cpu_mm_meta",
+    "default_table_path",
+    "load_table",
+    "lookup",
+    "save_entries",
+    "scatter_mm_meta",
+    "table_key",
+]
+
+TABLE_ENV = "BSRKIT_TUNING_TABLE"
+_FORMAT, _VERSION = "bsrkit-tuning", 1
+
+
+class TuningWarning(UserWarning):
+    """No tuned parameters for a shape (defaults used), or an unreadable tuning table."""
+
+
+_USER_TABLE: list[Path] = []
+
+
+def default_table_path() -> Path:
+    """``$BSRKIT_TUNING_TABLE``, else ``tuning.json`` in the user cache directory."""
+    env = os.environ.get(TABLE_ENV)
+    if env:
+        return Path(env)
+    if not _USER_TABLE:
+        import platformdirs
+
+        _USER_TABLE.append(Path(platformdirs.user_cache_dir("bsrkit")) / "tuning.json")
+    return _USER_TABLE[0]
+
+
+_CPU_NAME: list[str] = []
+
+
+def cpu_device_name() -> str:
+    """A stable name for this CPU model (the tuning table's device key)."""
+    if not _CPU_NAME:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        name = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        _CPU_NAME.append(f"cpu:{name}")
+    return _CPU_NAME[0]
+
+
+def table_key(
+    device: str, op: str, dtype: torch.dtype, shape: tuple[int, int, int], blocksize: tuple[int, int]
+) -> str:
+    M, K, N = shape
+    return f"{device}|{op}|{str(dtype).removeprefix('torch.')}|{M},{K},{N}|{blocksize[0]}x{blocksize[1]}"
+
+
+_lock = threading.Lock()
+_loaded: dict[str, tuple[float, dict[str, dict[str, Any]]]] = {}  # path -> (mtime, entries)
+_warned: set[str] = set()
+
+
+def _warn_once(tag: str, message: str) -> None:
+    with _lock:
+        if tag in _warned:
+            return
+        _warned.add(tag)
+    warnings.warn(message, TuningWarning, stacklevel=4)
+
+
+def load_table(path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """The entries of a tuning table ({} when missing, corrupt or foreign; the latter two warn once)."""
+    path = Path(path) if path is not None else default_table_path()
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        return {}
+    cached = _loaded.get(str(path))
+    if cached is not None and cached[0] == mtime:
+        return cached[1]
+    entries: dict[str, dict[str, Any]] = {}
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ValueError("not a bsrkit tuning table")
+        if data.get("version") != _VERSION:
+            raise ValueError(f"version {data.get('version')!r}, expected {_VERSION}")
+        raw = data.get("entries")
+        if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+            raise ValueError("'entries' is not a mapping of parameter dicts")
+        entries = raw
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        _warn_once(f"bad:{path}:{mtime}", f"bsrkit: ignoring tuning table {path}: {exc}")
+        entries = {}
+    _loaded[str(path)] = (mtime, entries)
+    return entries
+
+
+def save_entries(new: dict[str, dict[str, Any]], path: Path | None = None) -> Path:
+    """Merge ``new`` into the table at ``path`` (a corrupt one is replaced) and write it atomically."""
+    path = Path(path) if path is not None else default_table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TuningWarning)
+        entries = dict(load_table(path))
+    entries.update(new)
+    payload = {"format": _FORMAT, "version": _VERSION, "entries": entries}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    _loaded.pop(str(path), None)
+    return path
+
+
+def lookup(
+    op: str, dtype: torch.dtype, shape: tuple[int, int, int], blocksize: tuple[int, int]
+) -> dict[str, Any] | None:
+    """Tuned CPU parameters for this shape, or None (after a one-time warning naming ``bsrkit tune``)."""
+    key = table_key(cpu_device_name(), op, dtype, shape, blocksize)
+    found = load_table().get(key)
+    if found is None:
+        M, K, N = shape
+        _warn_once(
+            "fallback",
+            f"bsrkit: no tuned parameters for {op} {str(dtype).removeprefix('torch.')} "
+            f"M,K,N={M},{K},{N} blocksize {blocksize[0]}x{blocksize[1]} on this CPU; using defaults. "
+            f"Run `bsrkit tune --sizes {N} --blocksizes {blocksize[0]}` to tune "
+            "(this warning is shown once per process).",
+        )
+    return found
+
 
 # Output panel width (columns) per gemm call. Measured (docs/performance.md): 128-512 are within noise
 # of each other at n = 2048-4096; 256 keeps a (K x 256) float32 dense panel of a 32-wide block column
@@ -20,10 +169,23 @@ _DEFAULT_PANEL = 256
 _CPU_KEYS = frozenset({"panel", "nthreads"})
 
 
-def cpu_mm_meta(op: str, N: int, meta: dict[str, Any] | None) -> dict[str, int]:
-    """Parameters of the CPU kernel: ``panel`` (columns per gemm) and ``nthreads`` (worker threads)."""
+def cpu_mm_meta(
+    op: str,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    blocksize: tuple[int, int],
+    meta: dict[str, Any] | None,
+) -> dict[str, int]:
+    """Parameters of the CPU kernel: ``panel`` (columns per gemm) and ``nthreads`` (worker threads).
+
+    ``meta`` wins; otherwise the tuning table's entry for this shape; otherwise the defaults.
+    """
     result = {"panel": _DEFAULT_PANEL, "nthreads": max(1, torch.get_num_threads())}
-    if meta:
+    if meta is None:
+        tuned = lookup(op, dtype, shape, blocksize)
+        if tuned:
+            result.update({k: int(v) for k, v in tuned.items() if k in _CPU_KEYS and int(v) >= 1})
+    elif meta:
         unknown = set(meta) - _CPU_KEYS
         if unknown:
             raise ValueError(
@@ -34,7 +196,7 @@ def cpu_mm_meta(op: str, N: int, meta: dict[str, Any] | None) -> dict[str, int]:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{op}(): expected meta[{name!r}] to be an int >= 1, got {value!r}")
         result.update(meta)
-    result["panel"] = min(result["panel"], max(N, 1))
+    result["panel"] = min(result["panel"], max(shape[2], 1))
     return result
 
 
