@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -39,6 +39,48 @@ __all__ = [
 BACKEND_ENV = "BSRKIT_BACKEND"
 _BACKENDS = ("cpu", "torch")
 _INDICES_FORMATS = ("bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm")
+
+
+class Operand(NamedTuple):
+    """The sparse operand of a product, as parts: what every backend consumes.
+
+    ``values`` is ``(*Bb, nnz, Ms, Ks)`` (for a transposed operand a strided view of the original's
+    blocks); ``source`` is what its plans are cached on (see :mod:`bsrkit.plans`); a transposed operand has
+    ``transposed_block_cols`` > 0 and borrows its source's plans.
+    """
+
+    crow: torch.Tensor
+    col: torch.Tensor
+    values: torch.Tensor
+    M: int
+    K: int
+    source: Any
+    transposed_block_cols: int = 0
+
+    @property
+    def batch(self) -> torch.Size:
+        return self.values.shape[:-3]
+
+    @property
+    def nnz(self) -> int:
+        return self.values.shape[-3]
+
+    @classmethod
+    def of(cls, bsr: torch.Tensor) -> Operand:
+        M, K = bsr.shape[-2:]
+        return cls(bsr.crow_indices(), bsr.col_indices(), bsr.values(), M, K, bsr)
+
+    def transposed(self) -> Operand:
+        """The operand of ``bsr.mT``: the plan maps its blocks to the original's; no dense transpose."""
+        Ms, Ks = self.values.shape[-2:]
+        t = plans.transpose_plan(self.source, self.K // Ks if Ks else 0)
+        batch = self.batch
+        flat = self.values.reshape(-1, *self.values.shape[-3:])
+        gathered = flat[torch.arange(flat.shape[0])[:, None], t.perm]  # (B, nnz, Ms, Ks), a copy
+        values_t = gathered.reshape(*batch, *gathered.shape[1:]).mT  # blocks (Ks, Ms), column-major
+        crow_t = t.crow.reshape(*batch, -1)
+        col_t = t.col.reshape(*batch, -1)
+        return Operand(crow_t, col_t, values_t, self.K, self.M, self.source, self.K // Ks if Ks else 0)
 
 
 def select_backend(op: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -177,11 +219,26 @@ def _addmm(
             out.zero_()
         return out
 
-    if backend == "cpu":
-        _cpu_addmm(op, bsr, dense, out, batch, alpha, overwrite, meta)
-    else:
-        _torch_addmm(bsr, dense, out, batch, alpha, overwrite)
+    run_product(op, backend, Operand.of(bsr), dense, out, batch, alpha, overwrite, meta)
     return out
+
+
+def run_product(
+    op: str,
+    backend: str,
+    a: Operand,
+    dense: torch.Tensor,
+    out: torch.Tensor,
+    batch: torch.Size,
+    alpha: float,
+    overwrite: bool,
+    meta: dict[str, Any] | None,
+) -> None:
+    """``out (+)= alpha * a @ dense`` on validated, non-empty arguments: the one call into a backend."""
+    if backend == "cpu":
+        _cpu_addmm(op, a, dense, out, batch, alpha, overwrite, meta)
+    else:
+        _torch_addmm(a, dense, out, batch, alpha, overwrite)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -242,7 +299,7 @@ _KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 
 
 def _cpu_addmm(
     op: str,
-    bsr: torch.Tensor,
+    a: Operand,
     dense: torch.Tensor,
     out: torch.Tensor,
     batch: torch.Size,
@@ -251,13 +308,13 @@ def _cpu_addmm(
     meta: dict[str, Any] | None,
 ) -> None:
     kernel = _cpu_kernel()
-    M = bsr.shape[-2]
+    M = a.M
     N = dense.shape[-1]
-    values = bsr.values()
+    values = a.values
     Ms, Ks = values.shape[-2:]
-    params = tuning.cpu_mm_meta(op, out.dtype, (M, bsr.shape[-1], N), (Ms, Ks), meta)
+    params = tuning.cpu_mm_meta(op, out.dtype, (M, a.K, N), (Ms, Ks), meta)
     nthreads = params["nthreads"]
-    plan = plans.cpu_mm_plan(bsr, nthreads)
+    plan = plans.cpu_mm_plan(a.source, nthreads, a.transposed_block_cols)
     values, a_rowmajor, lda = _blas_operand(values)
     dense, b_rowmajor, ldb = _blas_operand(dense)
 
@@ -272,7 +329,7 @@ def _cpu_addmm(
         target_layout = blas_layout(target.stride(-2), target.stride(-1), M, N)
         assert target_layout is not None
 
-    bsr_batch = bsr.shape[:-2]
+    bsr_batch = a.batch
     n_bsr = math.prod(bsr_batch)
     if bsr_batch == batch:
         bsr_of = np.arange(n_bsr, dtype=np.int64)
@@ -301,19 +358,19 @@ def _cpu_addmm(
 
 
 def _torch_addmm(
-    bsr: torch.Tensor,
+    a: Operand,
     dense: torch.Tensor,
     out: torch.Tensor,
     batch: torch.Size,
     alpha: float,
     overwrite: bool,
 ) -> None:
-    M, K = bsr.shape[-2:]
+    M, K = a.M, a.K
     N = dense.shape[-1]
-    values = bsr.values()
-    bsr_batch = bsr.shape[:-2]
-    crow = bsr.crow_indices().expand(*batch, -1).reshape(-1, M // values.shape[-2] + 1)
-    col = bsr.col_indices().expand(*batch, -1).reshape(crow.shape[0], -1)
+    values = a.values
+    bsr_batch = a.batch
+    crow = a.crow.expand(*batch, -1).reshape(-1, a.crow.shape[-1])
+    col = a.col.expand(*batch, -1).reshape(crow.shape[0], -1)
     vals = values.expand(*batch, *values.shape[len(bsr_batch) :]).reshape(-1, *values.shape[-3:])
     dense3 = dense.expand(*batch, K, N).reshape(-1, K, N)
     out3 = out.view(-1, M, N) if _viewable3(out) else out.reshape(-1, M, N).clone()

@@ -18,10 +18,13 @@ from bsrkit.cache import CacheInfo, weak_lru_cache
 
 __all__ = [
     "CpuMMPlan",
+    "TransposePlan",
+    "block_rows",
     "cache_clear",
     "cache_info",
     "cpu_mm_plan",
     "scatter_mm_indices",
+    "transpose_plan",
 ]
 
 # Cost of a block row in "multiply-adds", beyond its blocks: loop and panel overhead.
@@ -36,12 +39,24 @@ class CpuMMPlan(NamedTuple):
     splits: np.ndarray  # (batches, nthreads + 1): thread t owns block rows splits[b, t]:splits[b, t+1]
 
 
+class TransposePlan(NamedTuple):
+    """The transpose's structure: its block ``g`` is block ``perm[b, g]`` of the original, transposed."""
+
+    perm: torch.Tensor  # (batches, nnz) int64
+    crow: torch.Tensor  # (batches, block_cols + 1) int64
+    col: torch.Tensor  # (batches, nnz) int64
+
+
+# A plan's *source* is what its entry lives with: a BSR tensor (public ops), or a (crow_indices,
+# col_indices) pair of long-lived tensors (BSRLinear's buffers, the custom ops under torch.compile).
+Source = Any
+
 _BUILDERS: dict[str, Callable[..., Any]]  # filled at the end of the module
 
 
 @weak_lru_cache(maxsize=256)
-def _plan(kind: str, bsr: torch.Tensor, *params: Any) -> Any:
-    return _BUILDERS[kind](bsr, *params)
+def _plan(kind: str, source: Source, *params: Any) -> Any:
+    return _BUILDERS[kind](source, *params)
 
 
 def cache_info() -> CacheInfo:
@@ -54,8 +69,19 @@ def cache_clear() -> None:
     _plan.cache_clear()  # type: ignore[attr-defined]
 
 
-def cpu_mm_plan(bsr: torch.Tensor, nthreads: int) -> CpuMMPlan:
-    return _plan("cpu_mm", bsr, nthreads)
+def cpu_mm_plan(source: Source, nthreads: int, transposed_block_cols: int = 0) -> CpuMMPlan:
+    """Kernel plan for ``source`` (or, with ``transposed_block_cols`` = its block-column count > 0, for
+    its transpose)."""
+    return _plan("cpu_mm", source, nthreads, transposed_block_cols)
+
+
+def transpose_plan(source: Source, block_cols: int) -> TransposePlan:
+    return _plan("transpose", source, block_cols)
+
+
+def block_rows(source: Source) -> torch.Tensor:
+    """(batches, nnz) int64: the block row of every stored block."""
+    return _plan("rows", source)
 
 
 def scatter_mm_indices(
@@ -64,9 +90,19 @@ def scatter_mm_indices(
     return _plan("scatter_mm", bsr, indices_format, N, nbatches, split_n)
 
 
-def _build_cpu_mm(bsr: torch.Tensor, nthreads: int) -> CpuMMPlan:
-    crow = bsr.crow_indices().reshape(-1, bsr.crow_indices().shape[-1]).to(torch.int64)
-    col = bsr.col_indices().reshape(crow.shape[0], -1).to(torch.int64)
+def _indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
+    """(crow, col) of a source, flattened to (batches, -1), int64."""
+    crow, col = (source.crow_indices(), source.col_indices()) if isinstance(source, torch.Tensor) else source
+    crow2 = crow.reshape(-1, crow.shape[-1]).to(torch.int64)
+    return crow2, col.reshape(crow2.shape[0], -1).to(torch.int64)
+
+
+def _build_cpu_mm(source: Source, nthreads: int, transposed_block_cols: int) -> CpuMMPlan:
+    if transposed_block_cols:
+        t = transpose_plan(source, transposed_block_cols)
+        crow, col = t.crow, t.col
+    else:
+        crow, col = _indices(source)
     rows = crow.shape[1] - 1
     # Balanced contiguous cut: thread t takes the rows whose cumulative cost falls in its 1/T share.
     cost = crow.diff(dim=1).to(torch.float64) + _ROW_OVERHEAD_BLOCKS
@@ -75,7 +111,34 @@ def _build_cpu_mm(bsr: torch.Tensor, nthreads: int) -> CpuMMPlan:
     splits = torch.searchsorted(cum.contiguous(), targets.contiguous()).clamp_(0, rows)
     splits[:, 0] = 0
     splits[:, -1] = rows
-    return CpuMMPlan(crow.contiguous().numpy(), col.contiguous().numpy(), splits.to(torch.int64).numpy())
+    # Copies (not views) of the indices: a plan must not hold a view of a source tensor.
+    return CpuMMPlan(crow.clone().numpy(), col.clone().numpy(), splits.to(torch.int64).numpy())
+
+
+def _build_rows(source: Source) -> torch.Tensor:
+    crow, _ = _indices(source)
+    nnz = int(crow[0, -1]) if crow.numel() else 0
+    # Block g lies in row r where crow[r] <= g < crow[r + 1].
+    return torch.searchsorted(
+        crow[:, 1:].contiguous(), torch.arange(nnz).expand(crow.shape[0], nnz).contiguous(), right=True
+    )
+
+
+def _build_transpose(source: Source, block_cols: int) -> TransposePlan:
+    crow, col = _indices(source)
+    B, nnz = col.shape
+    block_rows_ = crow.shape[1] - 1
+    rows = block_rows(source)
+    # Order the blocks by (column, row): a stable sort of col * rows + row per batch.
+    order_key = (
+        col * max(block_rows_, 1) + rows + torch.arange(B)[:, None] * (block_cols * max(block_rows_, 1))
+    )
+    perm = order_key.reshape(-1).argsort(stable=True).reshape(B, nnz) - torch.arange(B)[:, None] * nnz
+    col_t = rows.gather(1, perm)
+    counts = torch.zeros(B, block_cols, dtype=torch.int64)
+    counts.scatter_add_(1, col, torch.ones_like(col))
+    crow_t = torch.cat([counts.new_zeros(B, 1), counts.cumsum(1)], dim=1)
+    return TransposePlan(perm, crow_t, col_t)
 
 
 def _build_scatter_mm(
@@ -137,4 +200,9 @@ def _build_scatter_mm(
     return (indices_format, c_indices, pq)
 
 
-_BUILDERS = {"cpu_mm": _build_cpu_mm, "scatter_mm": _build_scatter_mm}
+_BUILDERS = {
+    "cpu_mm": _build_cpu_mm,
+    "scatter_mm": _build_scatter_mm,
+    "transpose": _build_transpose,
+    "rows": _build_rows,
+}
