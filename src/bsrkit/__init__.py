@@ -12,6 +12,8 @@ from bsrkit.ops import (
     bsr_dense_mm,
     bsr_scatter_mm,
     bsr_scatter_mm_indices_data,
+    bsr_transposed_dense_mm,
+    sampled_addmm,
     scatter_mm,
 )
 from bsrkit.plans import cache_clear, cache_info
@@ -26,8 +28,10 @@ __all__ = [
     "bsr_dense_mm",
     "bsr_scatter_mm",
     "bsr_scatter_mm_indices_data",
+    "bsr_transposed_dense_mm",
     "cache_clear",
     "cache_info",
+    "sampled_addmm",
     "scatter_mm",
     "weak_lru_cache",
 ]

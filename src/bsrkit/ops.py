@@ -28,10 +28,13 @@ from bsrkit.validation import (
 )
 
 __all__ = [
+    "Operand",
     "bsr_dense_addmm",
     "bsr_dense_mm",
     "bsr_scatter_mm",
     "bsr_scatter_mm_indices_data",
+    "bsr_transposed_dense_mm",
+    "sampled_addmm",
     "scatter_mm",
     "select_backend",
 ]
@@ -72,7 +75,7 @@ class Operand(NamedTuple):
 
     def transposed(self) -> Operand:
         """The operand of ``bsr.mT``: the plan maps its blocks to the original's; no dense transpose."""
-        Ms, Ks = self.values.shape[-2:]
+        Ks = self.values.shape[-1]
         t = plans.transpose_plan(self.source, self.K // Ks if Ks else 0)
         batch = self.batch
         flat = self.values.reshape(-1, *self.values.shape[-3:])
@@ -134,7 +137,49 @@ def bsr_dense_mm(
     ``dense``) is written in place and returned. ``meta`` overrides backend parameters (CPU: ``panel``,
     ``nthreads``).
     """
+    if _needs_grad(bsr, dense):
+        return _autograd_addmm("bsr_dense_mm", None, bsr, dense, 0.0, 1.0, out, meta)
     return _addmm("bsr_dense_mm", None, bsr, dense, beta=0.0, alpha=1.0, out=out, meta=meta)
+
+
+def bsr_transposed_dense_mm(
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    meta: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    r""":math:`\mathrm{out} = \mathrm{bsr}^T\,\mathrm{dense}` (``bsr.mT @ dense``), without materialising
+    the transpose: a cached plan maps the blocks of the transpose to the original's (only the block values
+    are gathered, ``nnz * Ms * Ks`` elements). ``dense`` is ``(*Bd, M, N)``; ``out`` ``(*batch, K, N)``.
+    Not differentiable itself (it is the backward of :func:`bsr_dense_mm` w.r.t. ``dense``).
+    """
+    return _addmm(
+        "bsr_transposed_dense_mm", None, bsr, dense, beta=0.0, alpha=1.0, out=out, meta=meta, transpose=True
+    )
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _autograd_addmm(
+    op: str,
+    input: torch.Tensor | None,
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    beta: Any,
+    alpha: Any,
+    out: torch.Tensor | None,
+    meta: dict[str, Any] | None,
+) -> torch.Tensor:
+    if out is not None:
+        raise ValueError(
+            f"{op}(): expected out=None when an argument requires grad (out= is not differentiable)"
+        )
+    from bsrkit.autograd import BsrDenseAddmm
+
+    return BsrDenseAddmm.apply(op, input, bsr, dense, beta, alpha, meta)
 
 
 def bsr_dense_addmm(
@@ -153,6 +198,8 @@ def bsr_dense_addmm(
     not propagate), as in ``torch.addmm``. Otherwise as :func:`bsr_dense_mm`.
     """
     check_strided("bsr_dense_addmm", "input", input, min_ndim=0)
+    if _needs_grad(input, bsr, dense):
+        return _autograd_addmm("bsr_dense_addmm", input, bsr, dense, beta, alpha, out, meta)
     return _addmm("bsr_dense_addmm", input, bsr, dense, beta=beta, alpha=alpha, out=out, meta=meta)
 
 
@@ -172,7 +219,9 @@ def _addmm(
     alpha: Any,
     out: torch.Tensor | None,
     meta: dict[str, Any] | None,
+    transpose: bool = False,
 ) -> torch.Tensor:
+    """Validate, then ``out = beta * input + alpha * op(bsr) @ dense`` with op = transpose or identity."""
     beta = _check_scalar(op, "beta", beta)
     alpha = _check_scalar(op, "alpha", alpha)
     check_bsr(op, "bsr", bsr)
@@ -181,8 +230,11 @@ def _addmm(
     check_same_device(op, "dense", dense, "bsr", bsr)
     backend = select_backend(op, bsr.device, bsr.dtype)  # here, so a bad override fails on every input
     M, K = bsr.shape[-2:]
+    if transpose:
+        M, K = K, M
     if dense.shape[-2] != K:
-        raise ValueError(f"{op}(): expected dense.shape[-2] == {K} (bsr.shape[-1]), got {dense.shape[-2]}")
+        where = "bsr.shape[-2]" if transpose else "bsr.shape[-1]"
+        raise ValueError(f"{op}(): expected dense.shape[-2] == {K} ({where}), got {dense.shape[-2]}")
     N = dense.shape[-1]
     batch = broadcast_batch(op, ("bsr", "dense"), (bsr.shape[:-2], dense.shape[:-2]))
     out_shape = (*batch, M, N)
@@ -219,7 +271,8 @@ def _addmm(
             out.zero_()
         return out
 
-    run_product(op, backend, Operand.of(bsr), dense, out, batch, alpha, overwrite, meta)
+    a = Operand.of(bsr)
+    run_product(op, backend, a.transposed() if transpose else a, dense, out, batch, alpha, overwrite, meta)
     return out
 
 
@@ -536,3 +589,76 @@ def bsr_scatter_mm(
         out.copy_(tiles)
         return out
     return scatter_mm(bsr.values(), other, indices_data, accumulators=out)
+
+
+# -- sampled dense-dense products (SDDMM) ------------------------------------------------------------
+
+
+def sampled_addmm(
+    input: torch.Tensor,
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    *,
+    beta: float = 1.0,
+    alpha: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    r"""``beta * input + alpha * (mat1 @ mat2)`` evaluated only at ``input``'s stored blocks.
+
+    For each stored block :math:`(i, j)` of the BSR ``input`` (blocks ``(Ms, Ns)``):
+    :math:`V_{ij} \leftarrow \beta V_{ij} + \alpha\, \mathrm{mat1}_{iM_s..,:}\, \mathrm{mat2}_{:, jN_s..}`.
+    ``mat1`` is ``(*B1, M, K)``, ``mat2`` ``(*B2, K, N)``; batch dims broadcast with ``input``'s. The
+    result is a BSR tensor with ``input``'s indices (``out``, if given, must be such a tensor: its values
+    are written). With ``beta == 0`` the input values are ignored. Half types are computed in float32.
+    """
+    op = "sampled_addmm"
+    beta = _check_scalar(op, "beta", beta)
+    alpha = _check_scalar(op, "alpha", alpha)
+    check_bsr(op, "input", input)
+    for name, t in (("mat1", mat1), ("mat2", mat2)):
+        check_strided(op, name, t)
+        check_same_dtype(op, name, t, "input", input)
+        check_same_device(op, name, t, "input", input)
+    M, N = input.shape[-2:]
+    if mat1.shape[-2] != M:
+        raise ValueError(f"{op}(): expected mat1.shape[-2] == {M} (input.shape[-2]), got {mat1.shape[-2]}")
+    if mat2.shape[-1] != N:
+        raise ValueError(f"{op}(): expected mat2.shape[-1] == {N} (input.shape[-1]), got {mat2.shape[-1]}")
+    if mat1.shape[-1] != mat2.shape[-2]:
+        raise ValueError(
+            f"{op}(): expected mat2.shape[-2] == {mat1.shape[-1]} (mat1.shape[-1]), got {mat2.shape[-2]}"
+        )
+    batch = broadcast_batch(
+        op, ("input", "mat1", "mat2"), (input.shape[:-2], mat1.shape[:-2], mat2.shape[:-2])
+    )
+    values = sampled_values(Operand.of(input), mat1, mat2, batch, alpha)
+    if beta != 0:
+        in_values = input.values()
+        values.add_(in_values.expand(*batch, *in_values.shape[-3:]), alpha=beta)
+    crow = input.crow_indices().expand(*batch, -1)
+    col = input.col_indices().expand(*batch, -1)
+    if out is not None:
+        check_bsr(op, "out", out)
+        if out.shape != (*batch, M, N) or out.values().shape != values.shape:
+            raise ValueError(
+                f"{op}(): expected out to be a BSR tensor of shape {(*batch, M, N)} with values of shape "
+                f"{tuple(values.shape)}, got shape {tuple(out.shape)} and values {tuple(out.values().shape)}"
+            )
+        if out.dtype != input.dtype:
+            raise TypeError(f"{op}(): expected out.dtype == {input.dtype}, got {out.dtype}")
+        out.values().copy_(values)
+        return out
+    return torch.sparse_bsr_tensor(crow.contiguous(), col.contiguous(), values, size=(*batch, M, N))
+
+
+def sampled_values(
+    a: Operand, mat1: torch.Tensor, mat2: torch.Tensor, batch: torch.Size, alpha: float
+) -> torch.Tensor:
+    """``alpha * (mat1 @ mat2)`` at ``a``'s blocks: values of shape ``(*batch, nnz, Ms, Ns)``."""
+    Ms, Ns = a.values.shape[-2:]
+    rows = plans.block_rows(a.source)  # (Bb, nnz)
+    nb = math.prod(batch)
+    rows_b = rows.reshape(*a.batch, -1).expand(*batch, -1).reshape(nb, -1)
+    cols_b = a.col.to(torch.int64).expand(*batch, -1).reshape(nb, -1)
+    values = torch_ops.sampled_blocks(rows_b, cols_b, Ms, Ns, mat1, mat2, batch, alpha)
+    return values.reshape(*batch, *values.shape[1:])

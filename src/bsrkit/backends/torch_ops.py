@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["accumulate_dtype", "bsr_mm_into", "scatter_mm_into"]
+__all__ = ["accumulate_dtype", "bsr_mm_into", "sampled_blocks", "scatter_mm_into"]
 
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -125,3 +125,35 @@ def scatter_mm_into(
     acc = torch.zeros((B, accumulators.shape[-2] * N), dtype=acc_dtype, device=device)
     _gather_products(blocks, p, others.reshape(B, K * N), q, acc, r, N, Ns)
     accumulators.add_(acc.view(accumulators.shape).to(accumulators.dtype))
+
+
+def sampled_blocks(
+    rows: torch.Tensor,  # (B, nnz) block row of each block
+    cols: torch.Tensor,  # (B, nnz) block column of each block
+    Ms: int,
+    Ns: int,
+    mat1: torch.Tensor,  # (*B1, M, K)
+    mat2: torch.Tensor,  # (*B2, K, N)
+    batch: torch.Size,
+    alpha: float,
+) -> torch.Tensor:
+    """(B, nnz, Ms, Ns): ``alpha * mat1[rows block] @ mat2[cols block]``, batched gemms over chunks."""
+    B, nnz = rows.shape
+    M, K = mat1.shape[-2:]
+    N = mat2.shape[-1]
+    acc_dtype = accumulate_dtype(mat1.dtype)
+    # Block views, no copies: a (B, MB, Ms, K) and b (B, NB, K, Ns).
+    a = mat1.expand(*batch, M, K).reshape(B, M // Ms, Ms, K)
+    b = mat2.expand(*batch, K, N).reshape(B, K, N // Ns, Ns).permute(0, 2, 1, 3)
+    out = torch.empty((B, nnz, Ms, Ns), dtype=mat1.dtype, device=mat1.device)
+    bidx = torch.arange(B, device=mat1.device)[:, None]
+    step = max(1, _CHUNK_ELEMENTS // max(1, B * (Ms + Ns) * max(K, 1)))
+    for g0 in range(0, nnz, step):
+        g1 = min(nnz, g0 + step)
+        lhs = a[bidx, rows[:, g0:g1]].to(acc_dtype)  # (B, G, Ms, K)
+        rhs = b[bidx, cols[:, g0:g1]].to(acc_dtype)  # (B, G, K, Ns)
+        prod = torch.matmul(lhs, rhs)
+        if alpha != 1:
+            prod.mul_(alpha)
+        out[:, g0:g1] = prod
+    return out

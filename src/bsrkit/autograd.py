@@ -1,0 +1,80 @@
+r"""Backward formulas of the products.
+
+For :math:`Y = \beta C + \alpha A X` with a block-sparse :math:`A` (pattern :math:`P`):
+
+* :math:`\partial L/\partial X = \alpha A^T G` — the transposed product over a cached plan;
+* :math:`\partial L/\partial A = \alpha\, (G X^T)|_P` — a sampled product (SDDMM) on :math:`A`'s own
+  pattern, returned as a BSR tensor with :math:`A`'s indices;
+* :math:`\partial L/\partial C = \beta G`,
+
+each summed over the batch dimensions its operand was broadcast along. PyTorch's autograd engine cannot
+accumulate a gradient into a *leaf* BSR tensor ("Sparse BSR tensors do not have is_contiguous", measured
+on torch 2.13), so make the values the leaf: ``bsr = torch.sparse_bsr_tensor(crow, col, values)`` with
+``values.requires_grad``; the BSR gradient then flows into ``values.grad``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bsrkit import ops
+
+__all__ = ["BsrDenseAddmm"]
+
+
+def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Sum ``t`` over the dimensions along which a tensor of ``shape`` was broadcast to ``t.shape``."""
+    if t.shape == shape:
+        return t
+    lead = t.ndim - len(shape)
+    dims = tuple(range(lead)) + tuple(
+        lead + i for i, s in enumerate(shape) if s == 1 and t.shape[lead + i] != 1
+    )
+    return t.sum(dim=dims, keepdim=False).reshape(shape) if dims else t.reshape(shape)
+
+
+class BsrDenseAddmm(torch.autograd.Function):
+    """``beta * input + alpha * bsr @ dense`` (``input`` may be None) with gradients for all three."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        op: str,
+        input: torch.Tensor | None,
+        bsr: torch.Tensor,
+        dense: torch.Tensor,
+        beta: float,
+        alpha: float,
+        meta: dict[str, Any] | None,
+    ) -> torch.Tensor:
+        out = ops._addmm(op, input, bsr, dense, beta=beta, alpha=alpha, out=None, meta=meta)
+        ctx.bsr = bsr.detach()
+        ctx.save_for_backward(dense)
+        ctx.scalars = (float(beta), float(alpha))
+        ctx.input_shape = None if input is None else input.shape
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (dense,) = ctx.saved_tensors
+        bsr = ctx.bsr
+        beta, alpha = ctx.scalars
+        grad_input = grad_bsr = grad_dense = None
+        if ctx.needs_input_grad[1] and ctx.input_shape is not None:
+            grad_input = _sum_to(grad * beta, ctx.input_shape)
+        if ctx.needs_input_grad[2]:
+            batch = grad.shape[:-2]
+            values = ops.sampled_values(ops.Operand.of(bsr), grad, dense.mT, batch, alpha)
+            values = _sum_to(values, bsr.values().shape)
+            grad_bsr = torch.sparse_bsr_tensor(
+                bsr.crow_indices(), bsr.col_indices(), values, size=bsr.shape, check_invariants=False
+            )
+        if ctx.needs_input_grad[3]:
+            g = ops.bsr_transposed_dense_mm(bsr, grad)
+            if alpha != 1:
+                g = g * alpha
+            grad_dense = _sum_to(g, dense.shape)
+        return None, grad_input, grad_bsr, grad_dense, None, None, None
