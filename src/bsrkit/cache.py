@@ -8,7 +8,8 @@ the tensor it was computed from is gone. :func:`weak_lru_cache` fixes both:
 * each entry holds weak references, with callbacks, to its tensor arguments: when any of them is
   garbage-collected the entry is removed and everything it held is released at once;
 * an in-place change of a tensor argument (its version counter moved) is a miss, and the entry is
-  recomputed and replaced — a stale value is never returned.
+  recomputed and replaced — a stale value is never returned;
+* inference tensors have no version counter, so a call with one is computed and not cached.
 
 Weakref callbacks can run at any bytecode, inside the garbage collector, possibly in a thread that holds
 the cache lock. The callback therefore never blocks on the lock: it queues the dead key and removes it
@@ -157,6 +158,8 @@ class _CacheState:
     # -- the memoized call ------------------------------------------------------------------------
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key, tensors, version = _make_key(args, kwargs)
+        if key is _UNCACHEABLE:
+            return self.func(*args, **kwargs)
         lock = self.lock
         lock.acquire()
         entry = self.entries.get(key)
@@ -263,9 +266,18 @@ class _CacheState:
             self._release()
 
 
+class _Uncacheable(Exception):
+    """An argument whose in-place changes cannot be seen (an inference tensor: no version counter)."""
+
+
+_UNCACHEABLE: Any = object()
+
+
 def _key_part(value: Any, name: Any, tensors: list[torch.Tensor], version: list[int]) -> Any:
     """``value`` as a key component. ``name`` (an index or keyword) only serves the error message."""
     if isinstance(value, torch.Tensor):
+        if value.is_inference():
+            raise _Uncacheable
         k = TensorKey(value)
         tensors.append(value)
         version.extend(k.version)
@@ -303,24 +315,28 @@ _KWARGS_MARK = object()
 def _make_key(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Hashable, list[torch.Tensor], tuple[int, ...]]:
+    """(key, tensor arguments, their versions); the key is ``_UNCACHEABLE`` for inference tensors."""
     tensors: list[torch.Tensor] = []
     version: list[int] = []
     parts: list[Any] = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):  # the common cases first, without a call
-            k = TensorKey(a)
-            tensors.append(a)
-            version += k.version
-            parts.append(k)
-        elif type(a) in _SCALARS:
-            parts.append(a)
-        else:
-            parts.append(_key_part(a, i, tensors, version))
-    if kwargs:
-        parts.append(_KWARGS_MARK)
-        for name in sorted(kwargs):
-            parts.append(name)
-            parts.append(_key_part(kwargs[name], name, tensors, version))
+    try:
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and not a.is_inference():  # common cases first, no call
+                k = TensorKey(a)
+                tensors.append(a)
+                version += k.version
+                parts.append(k)
+            elif type(a) in _SCALARS:
+                parts.append(a)
+            else:
+                parts.append(_key_part(a, i, tensors, version))
+        if kwargs:
+            parts.append(_KWARGS_MARK)
+            for name in sorted(kwargs):
+                parts.append(name)
+                parts.append(_key_part(kwargs[name], name, tensors, version))
+    except _Uncacheable:
+        return _UNCACHEABLE, tensors, ()
     return tuple(parts), tensors, tuple(version)
 
 

@@ -159,8 +159,9 @@ def bsr_transposed_dense_mm(
     )
 
 
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _needs_grad(*tensors: Any) -> bool:
+    # (non-tensors fall through to validation, which names them)
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def _autograd_addmm(
@@ -648,7 +649,9 @@ def sampled_addmm(
             raise TypeError(f"{op}(): expected out.dtype == {input.dtype}, got {out.dtype}")
         out.values().copy_(values)
         return out
-    return torch.sparse_bsr_tensor(crow.contiguous(), col.contiguous(), values, size=(*batch, M, N))
+    return torch.sparse_bsr_tensor(
+        crow.contiguous(), col.contiguous(), values, size=(*batch, M, N), check_invariants=False
+    )
 
 
 def sampled_values(

@@ -11,10 +11,13 @@ from typing import Any
 import torch
 
 __all__ = [
+    "block_mask",
     "bsr_dense_addmm",
     "bsr_dense_mm",
     "bsr_scatter_mm",
     "bsr_to_dense",
+    "bsr_transposed_dense_mm",
+    "sampled_addmm",
     "scatter_mm",
 ]
 
@@ -105,3 +108,29 @@ def scatter_mm(
                     q0, q1 = divmod(int(q_offsets[n * c1 + (split_n - n) * c0 + i]), N)
                     acc[b, r0 : r0 + Ms, r1 : r1 + Ns] += blocks[p] @ others[b, q0 : q0 + Ks, q1 : q1 + Ns]
     return acc.reshape(shape).to(accumulators.dtype)
+
+
+def bsr_transposed_dense_mm(bsr: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(bsr_to_dense(bsr).double().mT, dense.double()).to(dense.dtype)
+
+
+def block_mask(bsr: torch.Tensor) -> torch.Tensor:
+    """Boolean dense mask of the stored blocks (True inside every stored block, zeros included)."""
+    ones = torch.sparse_bsr_tensor(
+        bsr.crow_indices(),
+        bsr.col_indices(),
+        torch.ones_like(bsr.values(), dtype=torch.float64),
+        size=bsr.shape,
+    )
+    return bsr_to_dense(ones) != 0
+
+
+def sampled_addmm(
+    input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: float = 1, alpha: float = 1
+) -> torch.Tensor:
+    """Dense result: ``beta * input + alpha * mat1 @ mat2`` inside input's stored blocks, 0 elsewhere."""
+    full = alpha * torch.matmul(mat1.double(), mat2.double())
+    if beta != 0:
+        full = full + beta * bsr_to_dense(input).double()
+    mask = block_mask(input)
+    return torch.where(mask, full, torch.zeros((), dtype=torch.float64)).to(input.dtype)

@@ -1,0 +1,87 @@
+"""The products as ``torch.library`` custom ops, with fake (meta) kernels and autograd formulas, so that
+``torch.compile(..., fullgraph=True)`` traces models that use them (``bsrkit.nn.BSRLinear``).
+
+The sparse operand travels as strided parts (``crow``, ``col``, ``values``): custom ops cannot take BSR
+tensors. Plans are cached on the ``(crow, col)`` pair, so an entry lives as long as those index tensors
+(a module's buffers). Imported by :mod:`bsrkit.nn`, not by ``import bsrkit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bsrkit import ops
+
+__all__ = ["bsr_mm", "sampled_mm"]
+
+
+@torch.library.custom_op("bsrkit::bsr_mm", mutates_args=())
+def bsr_mm(
+    crow: torch.Tensor,
+    col: torch.Tensor,
+    values: torch.Tensor,
+    dense: torch.Tensor,
+    M: int,
+    K: int,
+    transposed: bool,
+) -> torch.Tensor:
+    """``A @ dense`` (or ``A.mT @ dense``) for the 2-D BSR ``A = (crow, col, values)`` of shape (M, K)."""
+    a = ops.Operand(crow, col, values, M, K, (crow, col))
+    if transposed:
+        a = a.transposed()
+    out = torch.empty((a.M, dense.shape[-1]), dtype=dense.dtype, device=dense.device)
+    if out.numel() == 0:
+        return out
+    if a.nnz == 0 or a.K == 0:
+        return out.zero_()
+    backend = ops.select_backend("bsr_mm", dense.device, dense.dtype)
+    ops.run_product("bsr_dense_mm", backend, a, dense, out, torch.Size(), 1.0, True, None)
+    return out
+
+
+@bsr_mm.register_fake
+def _(crow, col, values, dense, M, K, transposed):
+    return dense.new_empty((K if transposed else M, dense.shape[-1]))
+
+
+@torch.library.custom_op("bsrkit::sampled_mm", mutates_args=())
+def sampled_mm(
+    crow: torch.Tensor, col: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, Ms: int, Ns: int
+) -> torch.Tensor:
+    """Values ``(nnz, Ms, Ns)`` of ``mat1 @ mat2`` at the blocks of the pattern ``(crow, col)``."""
+    nnz = col.shape[-1]
+    shape_only = mat1.new_empty(()).expand(nnz, Ms, Ns)  # values are not read: only their shape
+    a = ops.Operand(crow, col, shape_only, mat1.shape[-2], mat2.shape[-1], (crow, col))
+    return ops.sampled_values(a, mat1, mat2, torch.Size(), 1.0)
+
+
+@sampled_mm.register_fake
+def _(crow, col, mat1, mat2, Ms, Ns):
+    return mat1.new_empty((col.shape[-1], Ms, Ns))
+
+
+def _setup_bsr_mm(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    crow, col, values, dense, M, K, transposed = inputs
+    ctx.save_for_backward(crow, col, values, dense)
+    ctx.shape = (M, K, transposed)
+
+
+def _backward_bsr_mm(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    # Y = A X:   dA = (G X^T)|P,  dX = A^T G.      Y = A^T X:   dA = (X G^T)|P,  dX = A G.
+    crow, col, values, dense = ctx.saved_tensors
+    M, K, transposed = ctx.shape
+    Ms, Ks = values.shape[-2:]
+    grad_values = grad_dense = None
+    if ctx.needs_input_grad[2]:
+        if transposed:
+            grad_values = sampled_mm(crow, col, dense, grad.mT, Ms, Ks)
+        else:
+            grad_values = sampled_mm(crow, col, grad, dense.mT, Ms, Ks)
+    if ctx.needs_input_grad[3]:
+        grad_dense = bsr_mm(crow, col, values, grad, M, K, not transposed)
+    return None, None, grad_values, grad_dense, None, None, None
+
+
+torch.library.register_autograd("bsrkit::bsr_mm", _backward_bsr_mm, setup_context=_setup_bsr_mm)

@@ -1,0 +1,149 @@
+"""``BSRLinear``: a linear layer whose weight is block-sparse with a fixed pattern.
+
+The block values are the parameter (``values``, shape ``(nnz, bo, bi)``); the pattern lives in two
+buffers (``crow_indices``, ``col_indices``), so plans are cached for as long as the layer lives and are
+recomputed after ``load_state_dict`` changes the pattern in place. Forward and backward run the
+``bsrkit::bsr_mm`` / ``bsrkit::sampled_mm`` custom ops, which ``torch.compile`` can trace.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from bsrkit import custom_ops
+
+__all__ = ["BSRLinear"]
+
+
+def _pair(blocksize: int | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(blocksize, int):
+        return blocksize, blocksize
+    bo, bi = blocksize
+    return int(bo), int(bi)
+
+
+class BSRLinear(nn.Module):
+    r""":math:`y = x W^T + b` with :math:`W` (``out_features x in_features``) block-sparse.
+
+    ``blocksize`` is ``bo`` or ``(bo, bi)``: blocks of ``bo`` output by ``bi`` input features; both must
+    divide the corresponding feature count. ``density`` is the fraction of blocks stored, chosen at random
+    (``generator``); use :meth:`from_dense` to prune a trained ``nn.Linear`` instead. Initialisation
+    matches ``nn.Linear`` (uniform in :math:`\pm 1/\sqrt{\mathrm{in\_features}}`) on the stored blocks.
+    """
+
+    crow_indices: torch.Tensor
+    col_indices: torch.Tensor
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        blocksize: int | tuple[int, int],
+        bias: bool = True,
+        *,
+        density: float = 1.0,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        bo, bi = _pair(blocksize)
+        if bo < 1 or bi < 1 or out_features % bo or in_features % bi:
+            raise ValueError(
+                f"BSRLinear(): expected blocksize {(bo, bi)} to divide (out_features, in_features) = "
+                f"{(out_features, in_features)}"
+            )
+        if not 0 <= density <= 1:
+            raise ValueError(f"BSRLinear(): expected density in [0, 1], got {density}")
+        self.in_features, self.out_features, self.blocksize = in_features, out_features, (bo, bi)
+        mask = torch.rand((out_features // bo, in_features // bi), generator=generator) < density
+        bound = 1 / math.sqrt(in_features) if in_features else 0.0
+        values = torch.empty((int(mask.sum()), bo, bi), device=device, dtype=dtype).uniform_(
+            -bound, bound, generator=generator
+        )
+        self._set_pattern(mask, values)
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(out_features, device=device, dtype=dtype).uniform_(
+                    -bound, bound, generator=generator
+                )
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def _set_pattern(self, mask: torch.Tensor, values: torch.Tensor) -> None:
+        device = values.device
+        crow = torch.zeros(mask.shape[0] + 1, dtype=torch.int64)
+        crow[1:] = mask.sum(1).cumsum(0)
+        col = mask.nonzero()[:, 1].contiguous()
+        self.register_buffer("crow_indices", crow.to(device))
+        self.register_buffer("col_indices", col.to(device))
+        self.values = nn.Parameter(values)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, blocksize: int | tuple[int, int], density: float) -> BSRLinear:
+        """Prune ``linear`` to the ``round(density * blocks)`` blocks of largest Frobenius norm."""
+        bo, bi = _pair(blocksize)
+        w = linear.weight.detach()
+        out_f, in_f = w.shape
+        layer = cls(
+            in_f, out_f, (bo, bi), bias=linear.bias is not None, density=0.0, device=w.device, dtype=w.dtype
+        )
+        blocks = w.reshape(out_f // bo, bo, in_f // bi, bi).transpose(1, 2)  # (MB, KB, bo, bi)
+        norms = blocks.pow(2).sum((-1, -2)).flatten()
+        keep = norms.topk(round(density * norms.numel())).indices
+        mask = torch.zeros(norms.numel(), dtype=torch.bool, device=w.device)
+        mask[keep] = True
+        mask = mask.reshape(blocks.shape[:2]).cpu()
+        layer._set_pattern(mask, blocks[mask.to(w.device)].clone())
+        if linear.bias is not None:
+            assert layer.bias is not None
+            layer.bias.data.copy_(linear.bias.detach())
+        return layer
+
+    def to_bsr(self) -> torch.Tensor:
+        """The weight as a BSR tensor (sharing this layer's indices and values)."""
+        return torch.sparse_bsr_tensor(
+            self.crow_indices,
+            self.col_indices,
+            self.values,
+            size=(self.out_features, self.in_features),
+            check_invariants=False,
+        )
+
+    def to_dense(self) -> torch.Tensor:
+        """The weight as a dense ``(out_features, in_features)`` tensor."""
+        return self.to_bsr().detach().to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"BSRLinear.forward(): expected x.shape[-1] == {self.in_features}, got {x.shape[-1]}"
+            )
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        # y^T = W x^T: x^T is a column-major view, which the kernel reads without a copy.
+        y_t = custom_ops.bsr_mm(
+            self.crow_indices,
+            self.col_indices,
+            self.values,
+            x2.mT,
+            self.out_features,
+            self.in_features,
+            False,
+        )
+        y = y_t.mT.reshape(*lead, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        nnz = self.values.shape[0]
+        total = (self.out_features // self.blocksize[0]) * (self.in_features // self.blocksize[1])
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"blocksize={self.blocksize}, blocks={nnz}/{total}, bias={self.bias is not None}"
+        )

@@ -1,0 +1,142 @@
+import pytest
+import torch
+
+import bsrkit
+from bsrkit.nn import BSRLinear
+from helpers import assert_close
+
+
+def _dense_twin(layer: BSRLinear) -> torch.nn.Linear:
+    lin = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    with torch.no_grad():
+        lin.weight.copy_(layer.to_dense())
+        if layer.bias is not None:
+            lin.bias.copy_(layer.bias)
+    return lin
+
+
+@pytest.mark.parametrize("lead", [(), (5,), (2, 3)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_backward_match_dense(lead, bias):
+    layer = BSRLinear(24, 18, (6, 4), bias=bias, density=0.5, generator=torch.Generator().manual_seed(0))
+    lin = _dense_twin(layer)
+    x = torch.randn(*lead, 24, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y = layer(x)
+    assert y.shape == (*lead, 18)
+    assert_close(y, lin(x2), k=24)
+    g = torch.randn_like(y)
+    y.backward(g)
+    lin(x2).backward(g)
+    assert_close(x.grad, x2.grad, k=18)
+    # values.grad is the dense weight gradient at the stored blocks
+    wg = lin.weight.grad.reshape(3, 6, 6, 4).transpose(1, 2)
+    rows = torch.repeat_interleave(torch.arange(3), layer.crow_indices.diff())
+    assert_close(layer.values.grad, wg[rows, layer.col_indices], k=max(1, x.numel() // 24))
+    if bias:
+        assert_close(layer.bias.grad, lin.bias.grad)
+
+
+def test_from_dense_keeps_the_largest_blocks():
+    lin = torch.nn.Linear(8, 8)
+    with torch.no_grad():
+        lin.weight.fill_(0.01)
+        lin.weight[0:4, 4:8] = 5.0  # block (0, 1)
+        lin.weight[4:8, 0:4] = -3.0  # block (1, 0)
+    layer = BSRLinear.from_dense(lin, 4, density=0.5)
+    assert layer.values.shape == (2, 4, 4)
+    expected = torch.zeros(8, 8)
+    expected[0:4, 4:8] = 5.0
+    expected[4:8, 0:4] = -3.0
+    assert torch.equal(layer.to_dense(), expected)
+    assert torch.equal(layer.bias, lin.bias)
+    full = BSRLinear.from_dense(lin, (2, 4), density=1.0)
+    assert torch.equal(full.to_dense(), lin.weight.detach())
+
+
+def test_trains_with_an_optimizer_and_keeps_its_pattern():
+    import copy
+
+    torch.manual_seed(0)
+    target = BSRLinear(32, 16, 8, density=0.5)
+    layer = copy.deepcopy(target)  # same pattern,
+    with torch.no_grad():
+        layer.values.normal_()  # other values
+    crow, col = layer.crow_indices.clone(), layer.col_indices.clone()
+    opt = torch.optim.Adam(layer.parameters(), lr=0.05)
+    x = torch.randn(64, 32)
+    y = target(x).detach()
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = (layer(x) - y).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.05 * losses[0]
+    assert torch.equal(layer.crow_indices, crow) and torch.equal(layer.col_indices, col)
+
+
+def test_state_dict_round_trip_replans_in_place():
+    torch.manual_seed(3)
+    a = BSRLinear.from_dense(torch.nn.Linear(16, 16), 4, density=0.5)  # 8 of 16 blocks each
+    b = BSRLinear.from_dense(torch.nn.Linear(16, 16), 4, density=0.5)
+    assert not torch.equal(a.col_indices, b.col_indices)  # different patterns, same sizes
+    x = torch.randn(3, 16)
+    b(x)  # b's plan is cached now
+    b.load_state_dict(a.state_dict())  # indices copied in place: the plan must not be stale
+    assert_close(b(x), a(x))
+    assert torch.equal(b.to_dense(), a.to_dense())
+    sd = a.state_dict()
+    assert set(sd) == {"crow_indices", "col_indices", "values", "bias"}
+
+
+def test_no_grad_and_inference_mode():
+    layer = BSRLinear(16, 8, 4, density=0.5)
+    x = torch.randn(2, 16)
+    expected = _dense_twin(layer)(x)
+    with torch.no_grad():
+        assert_close(layer(x), expected, k=16)
+    with torch.inference_mode():
+        xi = torch.randn(2, 16)
+        assert_close(layer(xi), _dense_twin(layer)(xi), k=16)
+
+
+def test_plan_lives_with_the_layer():
+    bsrkit.cache_clear()
+    layer = BSRLinear(16, 16, 4, density=0.5)
+    x = torch.randn(4, 16)
+    layer(x)
+    layer(x)
+    info = bsrkit.cache_info()
+    assert info.misses == 1 and info.hits == 1 and info.currsize == 1
+    del layer
+    import gc
+
+    gc.collect()
+    assert bsrkit.cache_info().currsize == 0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="to divide"):
+        BSRLinear(10, 8, 4)
+    with pytest.raises(ValueError, match="density"):
+        BSRLinear(8, 8, 4, density=2)
+    with pytest.raises(ValueError, match=r"expected x.shape\[-1\] == 8"):
+        BSRLinear(8, 8, 4)(torch.randn(2, 7))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(BSRLinear(32, 32, 8, density=0.5), torch.nn.ReLU(), BSRLinear(32, 8, (4, 8)))
+    x = torch.randn(6, 32)
+    eager = model(x)
+    eager.sum().backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    assert_close(out, eager)
+    out.sum().backward()
+    for p, g in zip(model.parameters(), eager_grads, strict=True):
+        assert_close(p.grad, g)
