@@ -36,7 +36,7 @@ def test_transposed_product_exact_and_errors(backend):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("beta,alpha", [(1.0, 1.0), (0.5, -2.0), (0.0, 3.0)])
-def test_sampled_addmm(dtype, beta, alpha):
+def test_sampled_addmm(backend, dtype, beta, alpha):
     inp = random_bsr((24, 20), (6, 4), 0.5, dtype, empty_rows=(2,))
     mat1 = torch.randn(24, 9).to(dtype)
     mat2 = torch.randn(9, 20).to(dtype)
@@ -48,7 +48,7 @@ def test_sampled_addmm(dtype, beta, alpha):
     )
 
 
-def test_sampled_addmm_batched_broadcast_and_out():
+def test_sampled_addmm_batched_broadcast_and_out(backend):
     inp = random_bsr((2, 16, 12), (4, 3), 0.5, torch.float64)
     mat1 = torch.randn(16, 5, dtype=torch.float64)  # broadcast over the batch
     mat2 = torch.randn(2, 5, 12, dtype=torch.float64)
@@ -117,3 +117,11 @@ def test_gradient_has_the_pattern_and_out_is_refused():
         bsrkit.bsr_dense_mm(_bsr_from(pattern, values), dense, out=torch.empty(8, 2))
     with torch.no_grad():  # no grad needed: out= is fine
         bsrkit.bsr_dense_mm(_bsr_from(pattern, values), dense, out=torch.empty(8, 2))
+
+
+def test_sampled_addmm_non_contiguous_operands(backend):
+    inp = random_bsr((16, 12), (4, 3), 0.6, torch.float64, empty_rows=(1,))
+    mat1 = torch.randn(5, 16, dtype=torch.float64).mT  # column-major
+    mat2 = torch.randn(12, 5, dtype=torch.float64).mT
+    got = bsrkit.sampled_addmm(inp, mat1, mat2, beta=0.0)
+    assert_close(reference.bsr_to_dense(got), reference.sampled_addmm(inp, mat1, mat2, beta=0.0))

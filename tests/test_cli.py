@@ -24,7 +24,7 @@ def test_demo_runs_and_checks_its_result(capsys):
         ["demo", "--size", "100", "--blocksize", "16"],
         ["demo", "--density", "-1"],
         ["nope"],
-        ["bench", "--ops", "sampled"],
+        ["bench", "--ops", "sampled,nope"],
         ["bench", "--ops", "mm,foo"],
         ["bench", "--sizes", "100", "--blocksizes", "16"],
         ["bench", "--densities", "2"],
@@ -51,11 +51,11 @@ def test_help_for_each_command(capsys):
 def test_bench_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     argv = ["bench", "--sizes", "64", "--blocksizes", "16,32", "--densities", "0.25,0.5"]
-    argv += ["--ops", "mm,addmm", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png)]
+    argv += ["--ops", "mm,addmm,sampled", "--repeats", "1", "--json", str(out_json), "--plot", str(out_png)]
     assert main(argv) == 0
     data = json.loads(out_json.read_text())
     assert data["schema"] == "bsrkit-bench/1" and data["complete"] is True
-    assert len(data["results"]) == 8
+    assert len(data["results"]) == 12
     keys = {"op", "n", "blocksize", "density", "dtype", "bsrkit_s", "native_s", "dense_s", "x_native"}
     for row in data["results"]:
         assert keys <= row.keys()

@@ -47,7 +47,9 @@ def run_point(
 ) -> dict[str, object]:
     """One grid point: median seconds of bsrkit, torch native BSR and dense, measured in one run.
 
-    ``op`` is ``"mm"`` (``bsr @ dense``) or ``"addmm"`` (``input + bsr @ dense``); all n x n.
+    ``op`` is ``"mm"`` (``bsr @ dense``), ``"addmm"`` (``input + bsr @ dense``) or ``"sampled"``
+    (``sampled_addmm``; torch native is ``torch.sparse.sampled_addmm`` on the CSR of the same elements,
+    dense is the full ``x @ y``); all n x n.
     """
     import bsrkit
 
@@ -64,8 +66,14 @@ def run_point(
         ours = lambda: bsrkit.bsr_dense_addmm(c, bsr, x, out=out)  # noqa: E731
         native = lambda: torch.addmm(c, bsr, x)  # noqa: E731
         dense = lambda: torch.addmm(c, w, x)  # noqa: E731
+    elif op == "sampled":
+        y = torch.randn((n, n), generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+        csr = w.to_sparse_csr()  # torch's sampled_addmm takes CSR: the same stored elements
+        ours = lambda: bsrkit.sampled_addmm(bsr, x, y, beta=0.0)  # noqa: E731
+        native = lambda: torch.sparse.sampled_addmm(csr, x, y, beta=0.0)  # noqa: E731
+        dense = lambda: x @ y  # noqa: E731
     else:
-        raise ValueError(f"run_point(): expected op in ('mm', 'addmm'), got {op!r}")
+        raise ValueError(f"run_point(): expected op in ('mm', 'addmm', 'sampled'), got {op!r}")
     t_ours = median_seconds(ours, repeats)
     t_native = median_seconds(native, repeats)
     t_dense = median_seconds(dense, repeats)

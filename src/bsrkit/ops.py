@@ -663,5 +663,47 @@ def sampled_values(
     nb = math.prod(batch)
     rows_b = rows.reshape(*a.batch, -1).expand(*batch, -1).reshape(nb, -1)
     cols_b = a.col.to(torch.int64).expand(*batch, -1).reshape(nb, -1)
-    values = torch_ops.sampled_blocks(rows_b, cols_b, Ms, Ns, mat1, mat2, batch, alpha)
+    if (
+        rows_b.numel()
+        and mat1.shape[-1]
+        and select_backend("sampled_addmm", mat1.device, mat1.dtype) == "cpu"
+    ):
+        values = _cpu_sampled(rows_b, cols_b, Ms, Ns, mat1, mat2, batch, alpha)
+    else:
+        values = torch_ops.sampled_blocks(rows_b, cols_b, Ms, Ns, mat1, mat2, batch, alpha)
     return values.reshape(*batch, *values.shape[1:])
+
+
+def _cpu_sampled(
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    Ms: int,
+    Ns: int,
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    batch: torch.Size,
+    alpha: float,
+) -> torch.Tensor:
+    """The SDDMM on the MKL kernel: one gemm per block straight from the strided operands."""
+    from bsrkit.backends.cpu import sampled_kernel
+
+    kernel = sampled_kernel()
+    mat1, a_rowmajor, lda = _blas_operand(mat1)
+    mat2, b_rowmajor, ldb = _blas_operand(mat2)
+    B, nnz = rows.shape
+    half = mat1.dtype in (torch.float16, torch.bfloat16)
+    out = torch.empty((B, nnz, Ms, Ns), dtype=torch.float32 if half else mat1.dtype)
+    isz = mat1.element_size()
+    nthreads = max(1, torch.get_num_threads())
+    args = (
+        _KINDS[mat1.dtype], rows.numpy(), cols.numpy(), nthreads,
+        mat1.data_ptr() - mat1.storage_offset() * isz, _batch_offsets(mat1, mat1.ndim - 2, batch),
+        mat1.stride(-2), a_rowmajor, lda,
+        mat2.data_ptr() - mat2.storage_offset() * isz, _batch_offsets(mat2, mat2.ndim - 2, batch),
+        mat2.stride(-1), b_rowmajor, ldb,
+        out.data_ptr(), Ms, Ns, mat1.shape[-1], alpha, isz, out.element_size(),
+    )  # fmt: skip
+    with _KERNEL_LOCK:
+        _set_numba_threads(nthreads)
+        kernel(*args)
+    return out.to(mat1.dtype) if half else out

@@ -167,3 +167,85 @@ def bsr_mm_kernel() -> Any:
                 set_threads_local(p_int + 28)
 
     return kernel
+
+
+@functools.cache
+def sampled_kernel() -> Any:
+    """Compile and return the SDDMM kernel: ``C[b, g] = alpha * A[b, rows[g]] @ B[b, :, cols[g]]``.
+
+    One gemm per stored block with the full inner dimension K (no gathered copies); blocks are split
+    evenly over the worker threads (every block costs the same). ``C`` is ``(B, nnz, Ms, Ns)``
+    contiguous (float32 for half inputs). None when MKL entry points are missing.
+    """
+    fns = mkl_functions()
+    if fns is None:
+        return None
+    import numba
+
+    i64 = ctypes.c_int64
+    ci, cf = ctypes.c_int, ctypes.c_float
+    sgemm = ctypes.CFUNCTYPE(None, *[i64] * 13)(fns.sgemm)
+    dgemm = ctypes.CFUNCTYPE(None, *[i64] * 13)(fns.dgemm)
+    half_sig = (ci, ci, ci, ci, ci, ci, cf, i64, ci, i64, ci, cf, i64, ci)
+    gemm_bf16 = ctypes.CFUNCTYPE(None, *half_sig)(fns.gemm_bf16)
+    gemm_f16 = ctypes.CFUNCTYPE(None, *half_sig)(fns.gemm_f16)
+    set_threads_local = ctypes.CFUNCTYPE(ci, i64)(fns.set_num_threads_local)
+
+    @numba.njit(parallel=True, nogil=True, cache=False)
+    def kernel(
+        kind, rows, cols, nthreads,
+        a_addr, a_boff, a_rs, a_rowmajor, lda,
+        b_addr, b_boff, b_cs, b_rowmajor, ldb,
+        c_addr, Ms, Ns, K, alpha, isz_ab, isz_c,
+    ):  # fmt: skip
+        nbatch = rows.shape[0]
+        nnz = rows.shape[1]
+        for b in range(nbatch):
+            for t in numba.prange(nthreads):
+                ints = np.zeros(9, np.int32)  # m n k lda ldb ldc 0 threads 1
+                reals = np.empty(2, np.float64)
+                real32 = np.empty(2, np.float32)
+                chars = np.empty(2, np.uint8)
+                p_int = ints.ctypes.data
+                ints[7] = 1
+                old_threads = set_threads_local(p_int + 28)
+                # Row-major C: compute C^T = B^T A^T in column-major terms.
+                chars[0] = _CHAR_N if b_rowmajor else _CHAR_T
+                chars[1] = _CHAR_N if a_rowmajor else _CHAR_T
+                ints[0] = Ns
+                ints[1] = Ms
+                ints[2] = K
+                ints[3] = ldb
+                ints[4] = lda
+                ints[5] = Ns
+                reals[0] = alpha
+                reals[1] = 0.0
+                real32[0] = alpha
+                real32[1] = 0.0
+                p_real = reals.ctypes.data if kind == KIND_F64 else real32.ctypes.data
+                rsize = 8 if kind == KIND_F64 else 4
+                p_chr = chars.ctypes.data
+                ta = _CBLAS_NO_TRANS if a_rowmajor else _CBLAS_TRANS
+                tb = _CBLAS_NO_TRANS if b_rowmajor else _CBLAS_TRANS
+                g_lo = (nnz * t) // nthreads
+                g_hi = (nnz * (t + 1)) // nthreads
+                for g in range(g_lo, g_hi):
+                    a_ptr = a_addr + (a_boff[b] + rows[b, g] * Ms * a_rs) * isz_ab
+                    b_ptr = b_addr + (b_boff[b] + cols[b, g] * Ns * b_cs) * isz_ab
+                    c_ptr = c_addr + ((b * nnz + g) * Ms * Ns) * isz_c
+                    if kind == KIND_F32:
+                        sgemm(p_chr, p_chr + 1, p_int, p_int + 4, p_int + 8, p_real, b_ptr, p_int + 12,
+                              a_ptr, p_int + 16, p_real + rsize, c_ptr, p_int + 20)  # fmt: skip
+                    elif kind == KIND_F64:
+                        dgemm(p_chr, p_chr + 1, p_int, p_int + 4, p_int + 8, p_real, b_ptr, p_int + 12,
+                              a_ptr, p_int + 16, p_real + rsize, c_ptr, p_int + 20)  # fmt: skip
+                    elif kind == KIND_BF16:
+                        gemm_bf16(_CBLAS_ROW_MAJOR, ta, tb, Ms, Ns, K, alpha, a_ptr, lda, b_ptr, ldb,
+                                  0.0, c_ptr, Ns)  # fmt: skip
+                    else:
+                        gemm_f16(_CBLAS_ROW_MAJOR, ta, tb, Ms, Ns, K, alpha, a_ptr, lda, b_ptr, ldb,
+                                 0.0, c_ptr, Ns)  # fmt: skip
+                ints[7] = old_threads
+                set_threads_local(p_int + 28)
+
+    return kernel
