@@ -35,3 +35,12 @@ __all__ = [
     "scatter_mm",
     "weak_lru_cache",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Submodules that import more (torch.library registrations, the reference) load on first use.
+    if name in ("nn", "custom_ops", "reference", "tuning", "autograd"):
+        import importlib
+
+        return importlib.import_module(f"bsrkit.{name}")
+    raise AttributeError(f"module 'bsrkit' has no attribute {name!r}")
