@@ -5,4 +5,6 @@ from pathlib import Path
 
 # Tests never read or write the user's tuning table.
 os.environ["BSRKIT_TUNING_TABLE"] = str(Path(tempfile.mkdtemp(prefix="bsrkit-tests-")) / "tuning.json")
+# Triton kernels run on CPU tensors in Triton's interpreter; it must be chosen before triton is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))

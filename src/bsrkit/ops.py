@@ -17,6 +17,7 @@ import torch
 
 from bsrkit import plans, tuning
 from bsrkit.backends import torch_ops
+from bsrkit.backends import triton as triton_backend
 from bsrkit.backends.cpu import blas_layout
 from bsrkit.validation import (
     broadcast_batch,
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 BACKEND_ENV = "BSRKIT_BACKEND"
-_BACKENDS = ("cpu", "torch")
+_BACKENDS = ("cpu", "torch", "triton")
 _INDICES_FORMATS = ("bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm")
 
 
@@ -87,14 +88,26 @@ class Operand(NamedTuple):
 
 
 def select_backend(op: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend for one call: ``"cpu"`` (compiled MKL kernel) or ``"torch"`` (torch primitives).
+    """The backend for one call: ``"cpu"`` (compiled MKL kernel), ``"triton"`` (GPU kernels; CUDA tensors
+    when triton is installed) or ``"torch"`` (torch primitives: every other case, e.g. CUDA without
+    triton — the documented fallback).
 
-    ``BSRKIT_BACKEND`` (``cpu`` or ``torch``) overrides the choice, for testing and comparison.
+    ``BSRKIT_BACKEND`` (``cpu``, ``torch`` or ``triton``) overrides the choice, for testing and comparison;
+    ``triton`` on CPU tensors runs Triton's interpreter and needs ``TRITON_INTERPRET=1``.
     """
     forced = os.environ.get(BACKEND_ENV)
     if forced:
         if forced not in _BACKENDS:
             raise ValueError(f"{op}(): expected ${BACKEND_ENV} in {_BACKENDS}, got {forced!r}")
+        if forced == "triton":
+            if not triton_backend.available():
+                raise ValueError(f"{op}(): ${BACKEND_ENV}=triton needs the triton package (bsrkit[triton])")
+            if device.type == "cpu" and not triton_backend.interpreting():
+                raise ValueError(
+                    f"{op}(): ${BACKEND_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                    "(Triton's interpreter)"
+                )
+            return forced
         if forced == "cpu" and device.type != "cpu":
             raise ValueError(f"{op}(): ${BACKEND_ENV}=cpu needs CPU tensors, got device {device}")
         if forced == "cpu" and _cpu_kernel() is None:
@@ -105,6 +118,8 @@ def select_backend(op: str, device: torch.device, dtype: torch.dtype) -> str:
         return forced
     if device.type == "cpu" and _cpu_kernel() is not None:
         return "cpu"
+    if device.type == "cuda" and triton_backend.available():
+        return "triton"
     return "torch"
 
 
@@ -291,6 +306,8 @@ def run_product(
     """``out (+)= alpha * a @ dense`` on validated, non-empty arguments: the one call into a backend."""
     if backend == "cpu":
         _cpu_addmm(op, a, dense, out, batch, alpha, overwrite, meta)
+    elif backend == "triton":
+        _triton_addmm(op, a, dense, out, batch, alpha, overwrite, meta)
     else:
         _torch_addmm(a, dense, out, batch, alpha, overwrite)
 
@@ -433,6 +450,33 @@ def _torch_addmm(
         out.copy_(out3.view(out.shape))
 
 
+def _triton_addmm(
+    op: str,
+    a: Operand,
+    dense: torch.Tensor,
+    out: torch.Tensor,
+    batch: torch.Size,
+    alpha: float,
+    overwrite: bool,
+    meta: dict[str, Any] | None,
+) -> None:
+    from bsrkit.backends.triton import kernels
+
+    M, K, N = a.M, a.K, dense.shape[-1]
+    Ms, Ks = a.values.shape[-2:]
+    params = tuning.triton_meta(op, out.device, out.dtype, (M, K, N), (Ms, Ks), meta)
+    B = math.prod(batch)
+    # Flatten batch dims; broadcast ones become stride-0 views (copies only where a view is impossible).
+    crow = a.crow.expand(*batch, -1).reshape(B, -1)
+    col = a.col.expand(*batch, -1).reshape(B, -1)
+    values = a.values.expand(*batch, *a.values.shape[-3:]).reshape(B, *a.values.shape[-3:])
+    dense3 = dense.expand(*batch, K, N).reshape(B, K, N)
+    out3 = out.view(B, M, N) if _viewable3(out) else out.reshape(B, M, N).clone()
+    kernels.bsr_dense_addmm(crow, col, values, dense3, out3, alpha, overwrite, params)
+    if out3.data_ptr() != out.data_ptr() or not _viewable3(out):
+        out.copy_(out3.view(out.shape))
+
+
 def _viewable3(t: torch.Tensor) -> bool:
     try:
         t.view(-1, *t.shape[-2:])
@@ -537,12 +581,20 @@ def scatter_mm(
         accumulators = torch.zeros(acc_shape, dtype=blocks.dtype, device=blocks.device)
     else:
         check_out(op, accumulators, acc_shape, blocks.dtype, blocks.device)
+    backend = select_backend(op, blocks.device, blocks.dtype)
+    if backend == "triton":
+        from bsrkit.backends.triton import kernels
+
+        params = tuning.triton_meta(op, blocks.device, blocks.dtype, (Ms, Ks, others.shape[-1]), (Ms, Ks), {})
+        run = lambda acc: kernels.scatter_mm_into(blocks, others3, indices_data, acc, params)  # noqa: E731
+    else:
+        run = lambda acc: torch_ops.scatter_mm_into(blocks, others3, indices_data, acc)  # noqa: E731
     if fmt == "scatter_mm":
-        torch_ops.scatter_mm_into(blocks, others3, indices_data, accumulators)
+        run(accumulators)
     else:
         acc3 = accumulators.view(-1, *acc_shape[-2:]) if _viewable3(accumulators) else None
         target = acc3 if acc3 is not None else accumulators.reshape(-1, *acc_shape[-2:]).clone()
-        torch_ops.scatter_mm_into(blocks, others3, indices_data, target)
+        run(target)
         if acc3 is None:
             accumulators.copy_(target.view(acc_shape))
     return accumulators

@@ -35,6 +35,8 @@ __all__ = [
     "save_entries",
     "scatter_mm_meta",
     "table_key",
+    "triton_device_name",
+    "triton_meta",
 ]
 
 TABLE_ENV = "BSRKIT_TUNING_TABLE"
@@ -145,10 +147,15 @@ def save_entries(new: dict[str, dict[str, Any]], path: Path | None = None) -> Pa
 
 
 def lookup(
-    op: str, dtype: torch.dtype, shape: tuple[int, int, int], blocksize: tuple[int, int]
+    op: str,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    blocksize: tuple[int, int],
+    device_name: str | None = None,
 ) -> dict[str, Any] | None:
-    """Tuned CPU parameters for this shape, or None (after a one-time warning naming ``bsrkit tune``)."""
-    key = table_key(cpu_device_name(), op, dtype, shape, blocksize)
+    """Tuned parameters for this shape on ``device_name`` (default: this CPU), or None after a one-time
+    warning naming ``bsrkit tune``."""
+    key = table_key(device_name or cpu_device_name(), op, dtype, shape, blocksize)
     found = load_table().get(key)
     if found is None:
         M, K, N = shape
@@ -197,6 +204,51 @@ def cpu_mm_meta(
                 raise ValueError(f"{op}(): expected meta[{name!r}] to be an int >= 1, got {value!r}")
         result.update(meta)
     result["panel"] = min(result["panel"], max(shape[2], 1))
+    return result
+
+
+_TRITON_KEYS = frozenset({"BLOCK_N", "num_warps", "num_stages"})
+
+
+def triton_device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return "triton-interpreter"
+
+
+def triton_meta(
+    op: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    blocksize: tuple[int, int],
+    meta: dict[str, Any] | None,
+) -> dict[str, int]:
+    """Triton launch parameters: ``BLOCK_N`` (output tile width, a power of two >= 16), ``num_warps``,
+    ``num_stages``. ``meta`` wins; then the tuning table for this GPU; then the defaults."""
+    from bsrkit.backends.triton.kernels import tile
+
+    N = shape[2]
+    result = {"BLOCK_N": min(64, tile(N)), "num_warps": 4, "num_stages": 2}
+    source = meta
+    if meta is None:
+        source = lookup(op, dtype, shape, blocksize, triton_device_name(device)) or {}
+    assert source is not None
+    unknown = set(source) - _TRITON_KEYS - {"seconds", "density"}
+    if meta is not None and unknown:
+        raise ValueError(
+            f"{op}(): expected meta keys among {sorted(_TRITON_KEYS)} for the Triton backend, "
+            f"got unknown {sorted(unknown)}"
+        )
+    for name in _TRITON_KEYS & set(source):
+        value = source[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{op}(): expected meta[{name!r}] to be an int >= 1, got {value!r}")
+        result[name] = value
+    if result["BLOCK_N"] < 16 or result["BLOCK_N"] & (result["BLOCK_N"] - 1):
+        raise ValueError(
+            f"{op}(): expected meta['BLOCK_N'] to be a power of two >= 16, got {result['BLOCK_N']}"
+        )
     return result
 
 

@@ -1,0 +1,109 @@
+"""The Triton kernels, run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, see conftest)."""
+
+import json
+
+import pytest
+import torch
+
+import bsrkit
+from bsrkit import reference, tuning
+from helpers import assert_close, random_bsr
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.triton
+
+# bfloat16 is left out: the interpreter's tl.dot returns garbage for it (measured: error 1e10 on a
+# 5x7 @ 7x3 product, triton 3.9); on a GPU it is a supported dtype of the same kernels.
+DTYPES = [torch.float32, torch.float64, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("BSRKIT_BACKEND", "triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "M,K,N,bs,er", [(24, 20, 33, (6, 4), (1,)), (32, 48, 40, (16, 8), ()), (8, 8, 5, (1, 1), (0, 3))]
+)
+def test_bsr_dense_mm(dtype, M, K, N, bs, er):
+    bsr = random_bsr((M, K), bs, 0.5, dtype, empty_rows=er)
+    dense = torch.randn(K, N).to(dtype)
+    assert_close(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=K)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_addmm_batched_broadcast_non_contiguous(dtype):
+    bsr = random_bsr((2, 24, 20), (6, 4), 0.5, dtype, empty_rows=(0,))
+    dense = torch.randn(20, 2, 17).to(dtype).permute(1, 0, 2)  # batched, batch stride not outermost
+    inp = torch.randn(17).to(dtype)
+    out = torch.empty(2, 17, 24, dtype=dtype).mT  # column-major out
+    got = bsrkit.bsr_dense_addmm(inp, bsr, dense, beta=0.5, alpha=-2.0, out=out)
+    assert got is out
+    assert_close(
+        out, reference.bsr_dense_addmm(inp.expand(2, 24, 17), bsr, dense, beta=0.5, alpha=-2.0), k=20
+    )
+
+
+def test_large_non_contiguous_operands():
+    bsr = random_bsr((256, 192), (32, 32), 0.3, empty_rows=(2,))
+    dense = torch.randn(300, 192).mT[:, 50:250]  # (192, 200) transposed and sliced
+    out = torch.empty(200, 256).mT
+    bsrkit.bsr_dense_mm(bsr, dense, out=out)
+    assert_close(out, reference.bsr_dense_mm(bsr, dense), k=192)
+
+
+def test_nnz_zero_and_transposed_product():
+    empty = random_bsr((16, 16), (4, 4), 0.0)
+    out = torch.full((16, 3), float("nan"))
+    bsrkit.bsr_dense_mm(empty, torch.randn(16, 3), out=out)
+    assert not out.any()
+    bsr = random_bsr((12, 20), (3, 5), 0.5, torch.float64, integers=True)
+    dense = torch.randint(-3, 4, (12, 6)).double()
+    assert torch.equal(
+        bsrkit.bsr_transposed_dense_mm(bsr, dense), reference.bsr_transposed_dense_mm(bsr, dense)
+    )
+
+
+@pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])
+def test_scatter_mm_formats(fmt):
+    bsr = random_bsr((48, 32), (16, 8), 0.5, empty_rows=(1,))
+    other = torch.randn(2, 32, 32)
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt, SPLIT_N=2)
+    assert_close(bsrkit.bsr_scatter_mm(bsr, other, data), reference.bsr_scatter_mm(bsr, other), k=32)
+
+
+def test_scatter_mm_accumulates():
+    blocks = torch.randn(5, 4, 3)
+    others = torch.randn(6, 3, 2)
+    data = ("scatter_mm", torch.tensor([0, 2, 2, 5]), torch.tensor([[0, 1], [4, 5], [1, 0], [2, 2], [3, 3]]))
+    acc = torch.randn(3, 4, 2)
+    expected = reference.scatter_mm(blocks, others, data, acc)
+    assert_close(bsrkit.scatter_mm(blocks, others, data, accumulators=acc.clone()), expected, k=3)
+
+
+def test_meta_override_and_tuning_table(tmp_path, monkeypatch):
+    bsr = random_bsr((32, 32), (8, 8), 0.5)
+    dense = torch.randn(32, 40)
+    ref = reference.bsr_dense_mm(bsr, dense)
+    assert_close(bsrkit.bsr_dense_mm(bsr, dense, meta={"BLOCK_N": 16, "num_warps": 2}), ref, k=32)
+    with pytest.raises(ValueError, match="power of two"):
+        bsrkit.bsr_dense_mm(bsr, dense, meta={"BLOCK_N": 24})
+    with pytest.raises(ValueError, match="unknown"):
+        bsrkit.bsr_dense_mm(bsr, dense, meta={"panel": 64})
+    table = tmp_path / "t.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    key = tuning.table_key("triton-interpreter", "bsr_dense_mm", torch.float32, (32, 32, 40), (8, 8))
+    table.write_text(json.dumps({"format": "bsrkit-tuning", "version": 1, "entries": {key: {"BLOCK_N": 32}}}))
+    params = tuning.triton_meta(
+        "bsr_dense_mm", torch.device("cpu"), torch.float32, (32, 32, 40), (8, 8), None
+    )
+    assert params["BLOCK_N"] == 32
+    assert_close(bsrkit.bsr_dense_mm(bsr, dense), ref, k=32)
+
+
+def test_interpreter_required_on_cpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    bsr = random_bsr((8, 8), (4, 4), 0.5)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        bsrkit.bsr_dense_mm(bsr, torch.randn(8, 2))
