@@ -29,6 +29,9 @@ def test_demo_runs_and_checks_its_result(capsys):
         ["bench", "--sizes", "100", "--blocksizes", "16"],
         ["bench", "--densities", "2"],
         ["tune", "--panels", "0"],
+        ["tune", "--shapes", "64x64"],
+        ["tune", "--shapes", "64x60x8", "--blocksizes", "16"],
+        ["tune", "--blocksizes", "0x4"],
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
@@ -103,6 +106,16 @@ def test_tune_writes_a_table_that_products_use(tmp_path, monkeypatch):
     assert seen == [{"panel": 48, "nthreads": 1}]
 
 
+def test_tune_rectangular_shape_is_found_by_the_product(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "t.json"))
+    argv = ["tune", "--shapes", "48x32x24", "--blocksizes", "8x16", "--panels", "16", "--threads", "1"]
+    assert main(argv) == 0
+    assert tuning.cpu_mm_meta("bsr_dense_mm", torch.float32, (48, 32, 24), (8, 16), None) == {
+        "panel": 16,
+        "nthreads": 1,
+    }
+
+
 @pytest.mark.parametrize(
     "content",
     [
@@ -129,7 +142,7 @@ def test_fallback_warning_once_names_the_command(tmp_path, monkeypatch):
     monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "missing.json"))
     monkeypatch.setattr(tuning, "_warned", set())
     bsr = random_bsr((32, 32), (8, 8), 0.5)
-    with pytest.warns(tuning.TuningWarning, match="bsrkit tune --sizes 16 --blocksizes 8"):
+    with pytest.warns(tuning.TuningWarning, match="bsrkit tune --shapes 32x32x16 --blocksizes 8x8"):
         bsrkit.bsr_dense_mm(bsr, torch.randn(32, 16))
     with warnings.catch_warnings():
         warnings.simplefilter("error", tuning.TuningWarning)

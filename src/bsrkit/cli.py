@@ -190,30 +190,62 @@ def tune(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from bsrkit import tuning
-    from bsrkit.benchmarking import DTYPES, random_bsr_weight
+    from bsrkit.benchmarking import DTYPES
 
     dtype = DTYPES[args.dtype]
     device = tuning.cpu_device_name()
-    panels = args.panels
     threads = args.threads or sorted({1, torch.get_num_threads()})
+    shapes = args.shapes or [(n, n, n) for n in args.sizes]
     found: dict[str, dict[str, Any]] = {}
-    jobs = [(n, bs) for n in args.sizes for bs in args.blocksizes]
-    for n, bs in tqdm(jobs, desc="bsrkit tune", unit="shape", file=sys.stderr):
-        bsr, _ = random_bsr_weight(n, bs, args.density)
-        bsr = bsr.to(dtype)
-        x = torch.randn(n, n).to(dtype)
-        out = torch.empty(n, n, dtype=dtype)
-        best_t, best, default = _tune_shape(bsr, x, out, panels, threads, args.repeats)
+    jobs = [(shape, bs) for shape in shapes for bs in args.blocksizes]
+    g = torch.Generator().manual_seed(0)
+    for (M, K, N), (Ms, Ks) in tqdm(jobs, desc="bsrkit tune", unit="shape", file=sys.stderr):
+        mask = torch.rand((M // Ms, K // Ks), generator=g) < args.density
+        full = mask.repeat_interleave(Ms, 0).repeat_interleave(Ks, 1)
+        bsr = (torch.randn((M, K), generator=g) * full).to(dtype).to_sparse_bsr((Ms, Ks))
+        x = torch.randn((K, N), generator=g).to(dtype)
+        out = torch.empty((M, N), dtype=dtype)
+        best_t, best, default = _tune_shape(bsr, x, out, args.panels, threads, args.repeats)
         print(
-            f"n={n} blocksize={bs}: best panel={best['panel']} nthreads={best['nthreads']} "
+            f"M,K,N={M},{K},{N} blocks {Ms}x{Ks}: best panel={best['panel']} nthreads={best['nthreads']} "
             f"{best_t * 1e3:.2f} ms (defaults {default * 1e3:.2f} ms, {default / best_t:.2f}x)"
         )
-        for op in ("bsr_dense_mm", "bsr_dense_addmm"):
-            key = tuning.table_key(device, op, dtype, (n, n, n), (bs, bs))
+        for op in ("bsr_dense_mm", "bsr_dense_addmm", "bsr_transposed_dense_mm"):
+            key = tuning.table_key(device, op, dtype, (M, K, N), (Ms, Ks))
             found[key] = {**best, "seconds": round(best_t, 6), "density": args.density}
     path = tuning.save_entries(found, args.table)
     print(f"wrote {len(found)} entries to {path}")
     return 0
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = []
+    for item in text.replace(",", " ").split():
+        parts = item.lower().split("x")
+        try:
+            M, K, N = (int(v) for v in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected shapes like 4096x4096x256 (MxKxN), got {item!r}"
+            ) from None
+        if min(M, K, N) <= 0:
+            raise argparse.ArgumentTypeError(f"expected positive M, K, N, got {item!r}")
+        shapes.append((M, K, N))
+    return shapes
+
+
+def _parse_blocks(text: str) -> list[tuple[int, int]]:
+    blocks = []
+    for item in text.replace(",", " ").split():
+        parts = item.lower().split("x")
+        try:
+            values = [int(v) for v in parts]
+        except ValueError:
+            values = []
+        if len(values) not in (1, 2) or min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"expected blocksizes like 32 or 32x16, got {item!r}")
+        blocks.append((values[0], values[-1]))
+    return blocks
 
 
 class _OneLineErrors(argparse.ArgumentParser):
@@ -247,8 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(run=bench)
 
     p = sub.add_parser("tune", help="search the CPU kernel's parameters and store them")
-    p.add_argument("--sizes", type=_parse_list(int), default=[2048], help="n values (default 2048)")
-    p.add_argument("--blocksizes", type=_parse_list(int), default=[32], help="(default 32)")
+    p.add_argument("--sizes", type=_parse_list(int), default=[2048], help="square n values (default 2048)")
+    p.add_argument("--shapes", type=_parse_shapes, default=None, help="MxKxN list (instead of --sizes)")
+    p.add_argument("--blocksizes", type=_parse_blocks, default=[(32, 32)], help="e.g. 32 or 32x16 (32)")
     p.add_argument("--density", type=float, default=0.1, help="block density to tune at (0.1)")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32")
     p.add_argument("--panels", type=_parse_list(int), default=[64, 128, 256, 512, 1024])
@@ -265,10 +298,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--size must be a multiple of --blocksize, got {args.size} and {args.blocksize}")
         if args.density > 1:
             parser.error(f"--density must be in (0, 1], got {args.density}")
-    else:
+    elif args.command == "bench":
         _check_grid(parser, args)
-        if args.command == "tune" and not 0 < args.density <= 1:
+    else:
+        if not 0 < args.density <= 1:
             parser.error(f"--density must be in (0, 1], got {args.density}")
+        for M, K, _ in args.shapes or [(n, n, n) for n in args.sizes]:
+            for Ms, Ks in args.blocksizes:
+                if M % Ms or K % Ks:
+                    parser.error(f"blocks {Ms}x{Ks} must divide M x K = {M} x {K}")
     return int(args.run(args))
 
 

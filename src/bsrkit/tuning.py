@@ -162,9 +162,14 @@ def lookup(
         _warn_once(
             "fallback",
             f"bsrkit: no tuned parameters for {op} {str(dtype).removeprefix('torch.')} "
-            f"M,K,N={M},{K},{N} blocksize {blocksize[0]}x{blocksize[1]} on this CPU; using defaults. "
-            f"Run `bsrkit tune --sizes {N} --blocksizes {blocksize[0]}` to tune "
-            "(this warning is shown once per process).",
+            f"M,K,N={M},{K},{N} blocksize {blocksize[0]}x{blocksize[1]} on {device_name or 'this CPU'}; "
+            "using defaults. "
+            + (
+                f"Run `bsrkit tune --shapes {M}x{K}x{N} --blocksizes {blocksize[0]}x{blocksize[1]}` to tune "
+                if device_name is None
+                else "(bsrkit tune covers the CPU backend so far; pass meta={...} to override) "
+            )
+            + "(this warning is shown once per process).",
         )
     return found
 
