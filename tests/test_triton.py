@@ -107,3 +107,19 @@ def test_interpreter_required_on_cpu(monkeypatch):
     bsr = random_bsr((8, 8), (4, 4), 0.5)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         bsrkit.bsr_dense_mm(bsr, torch.randn(8, 2))
+
+
+def test_tune_triton_parameters_in_the_interpreter(tmp_path, monkeypatch):
+    from bsrkit.cli import main
+
+    table = tmp_path / "t.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    argv = ["tune", "--backend", "triton", "--shapes", "32x32x40", "--blocksizes", "8", "--block-n", "16,32"]
+    argv += ["--num-warps", "4", "--num-stages", "1", "--repeats", "1"]
+    assert main(argv) == 0
+    params = tuning.triton_meta(
+        "bsr_dense_mm", torch.device("cpu"), torch.float32, (32, 32, 40), (8, 8), None
+    )
+    assert params["BLOCK_N"] in (16, 32) and params["num_warps"] == 4 and params["num_stages"] == 1
+    entries = json.loads(table.read_text())["entries"]
+    assert all(k.startswith("triton-interpreter|") for k in entries)

@@ -171,30 +171,69 @@ def plot_speedups(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def _tune_shape(
-    bsr: torch.Tensor, x: torch.Tensor, out: torch.Tensor, panels: list[int], threads: list[int], repeats: int
+    bsr: torch.Tensor, x: torch.Tensor, out: torch.Tensor, candidates: list[dict[str, int]], repeats: int
 ) -> tuple[float, dict[str, int], float]:
-    """(best seconds, best meta, seconds with the defaults) over the panel x thread grid."""
+    """(best seconds, best meta, seconds with the defaults) over the candidate metas."""
     import bsrkit
 
     def timed(meta: dict[str, int]) -> float:
-        return median_seconds(lambda: bsrkit.bsr_dense_mm(bsr, x, out=out, meta=meta), repeats)
+        def run() -> None:
+            bsrkit.bsr_dense_mm(bsr, x, out=out, meta=meta)
+            if out.device.type == "cuda":
+                torch.cuda.synchronize()
 
-    results = [
-        (timed({"panel": p, "nthreads": t}), {"panel": p, "nthreads": t}) for p in panels for t in threads
-    ]
+        return median_seconds(run, repeats)
+
+    results = [(timed(meta), meta) for meta in candidates]
     best_t, best = min(results, key=lambda r: r[0])
     return best_t, best, timed({})  # meta={} means "the defaults", without a table lookup
 
 
+def _candidates(args: argparse.Namespace, N: int) -> list[dict[str, int]]:
+    """The search grid: CPU (panel x threads) or Triton (BLOCK_N x num_warps x num_stages)."""
+    if args.backend == "triton":
+        from bsrkit.backends.triton.kernels import tile
+
+        widths = sorted({min(w, tile(N)) for w in args.block_n})
+        return [
+            {"BLOCK_N": w, "num_warps": nw, "num_stages": ns}
+            for w in widths
+            for nw in args.num_warps
+            for ns in args.num_stages
+        ]
+    threads = args.threads or sorted({1, torch.get_num_threads()})
+    return [{"panel": p, "nthreads": t} for p in args.panels for t in threads]
+
+
 def tune(args: argparse.Namespace) -> int:
+    if args.backend != "triton":
+        return _tune(args)
+    import os
+
+    previous = os.environ.get("BSRKIT_BACKEND")
+    os.environ["BSRKIT_BACKEND"] = "triton"  # while tuning: the products run the Triton kernels
+    try:
+        return _tune(args)
+    finally:
+        if previous is None:
+            del os.environ["BSRKIT_BACKEND"]
+        else:
+            os.environ["BSRKIT_BACKEND"] = previous
+
+
+def _tune(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from bsrkit import tuning
     from bsrkit.benchmarking import DTYPES
 
     dtype = DTYPES[args.dtype]
-    device = tuning.cpu_device_name()
-    threads = args.threads or sorted({1, torch.get_num_threads()})
+    if args.backend == "triton":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device_name = tuning.triton_device_name(device)
+    else:
+        device = torch.device("cpu")
+        device_name = tuning.cpu_device_name()
     shapes = args.shapes or [(n, n, n) for n in args.sizes]
     found: dict[str, dict[str, Any]] = {}
     jobs = [(shape, bs) for shape in shapes for bs in args.blocksizes]
@@ -202,16 +241,17 @@ def tune(args: argparse.Namespace) -> int:
     for (M, K, N), (Ms, Ks) in tqdm(jobs, desc="bsrkit tune", unit="shape", file=sys.stderr):
         mask = torch.rand((M // Ms, K // Ks), generator=g) < args.density
         full = mask.repeat_interleave(Ms, 0).repeat_interleave(Ks, 1)
-        bsr = (torch.randn((M, K), generator=g) * full).to(dtype).to_sparse_bsr((Ms, Ks))
-        x = torch.randn((K, N), generator=g).to(dtype)
-        out = torch.empty((M, N), dtype=dtype)
-        best_t, best, default = _tune_shape(bsr, x, out, args.panels, threads, args.repeats)
+        bsr = (torch.randn((M, K), generator=g) * full).to(dtype).to_sparse_bsr((Ms, Ks)).to(device)
+        x = torch.randn((K, N), generator=g).to(dtype).to(device)
+        out = torch.empty((M, N), dtype=dtype, device=device)
+        best_t, best, default = _tune_shape(bsr, x, out, _candidates(args, N), args.repeats)
+        chosen = " ".join(f"{k}={v}" for k, v in best.items())
         print(
-            f"M,K,N={M},{K},{N} blocks {Ms}x{Ks}: best panel={best['panel']} nthreads={best['nthreads']} "
+            f"M,K,N={M},{K},{N} blocks {Ms}x{Ks}: best {chosen} "
             f"{best_t * 1e3:.2f} ms (defaults {default * 1e3:.2f} ms, {default / best_t:.2f}x)"
         )
         for op in ("bsr_dense_mm", "bsr_dense_addmm", "bsr_transposed_dense_mm"):
-            key = tuning.table_key(device, op, dtype, (M, K, N), (Ms, Ks))
+            key = tuning.table_key(device_name, op, dtype, (M, K, N), (Ms, Ks))
             found[key] = {**best, "seconds": round(best_t, 6), "density": args.density}
     path = tuning.save_entries(found, args.table)
     print(f"wrote {len(found)} entries to {path}")
@@ -286,6 +326,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32")
     p.add_argument("--panels", type=_parse_list(int), default=[64, 128, 256, 512, 1024])
     p.add_argument("--threads", type=_parse_list(int), default=None, help="thread counts to try")
+    p.add_argument(
+        "--backend",
+        choices=["cpu", "triton"],
+        default="cpu",
+        help="cpu (default), or triton: the GPU kernels (on CPU tensors only under TRITON_INTERPRET=1)",
+    )
+    p.add_argument("--block-n", type=_parse_list(int), default=[32, 64, 128], help="Triton BLOCK_N values")
+    p.add_argument("--num-warps", type=_parse_list(int), default=[2, 4, 8], help="Triton num_warps values")
+    p.add_argument("--num-stages", type=_parse_list(int), default=[1, 2, 3], help="Triton num_stages values")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--table", metavar="FILE", default=None, help="tuning table (default: user cache)")
     p.set_defaults(run=tune)
@@ -303,6 +352,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         if not 0 < args.density <= 1:
             parser.error(f"--density must be in (0, 1], got {args.density}")
+        if args.backend == "triton":
+            from bsrkit.backends import triton as triton_backend
+
+            if not triton_backend.available():
+                parser.error("--backend triton needs the triton package (pip install bsrkit[triton])")
+            if not torch.cuda.is_available() and not triton_backend.interpreting():
+                parser.error("--backend triton needs a CUDA device, or TRITON_INTERPRET=1 to tune on CPU")
+            if any(w < 16 or w & (w - 1) for w in args.block_n):
+                parser.error(f"--block-n values must be powers of two >= 16, got {args.block_n}")
         for M, K, _ in args.shapes or [(n, n, n) for n in args.sizes]:
             for Ms, Ks in args.blocksizes:
                 if M % Ms or K % Ks:

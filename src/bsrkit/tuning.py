@@ -167,7 +167,8 @@ def lookup(
             + (
                 f"Run `bsrkit tune --shapes {M}x{K}x{N} --blocksizes {blocksize[0]}x{blocksize[1]}` to tune "
                 if device_name is None
-                else "(bsrkit tune covers the CPU backend so far; pass meta={...} to override) "
+                else f"Run `bsrkit tune --backend triton --shapes {M}x{K}x{N} "
+                f"--blocksizes {blocksize[0]}x{blocksize[1]}` to tune "
             )
             + "(this warning is shown once per process).",
         )
