@@ -256,3 +256,10 @@ def test_concurrent_products_from_threads(backend):
         t.join()
     for got, ref in zip(results, refs, strict=True):
         assert_close(got, ref, k=64)
+
+
+def test_out_sharing_memory_with_dense_is_refused():
+    bsr = random_bsr((8, 8), (2, 2), 0.6)
+    d = torch.randn(8, 8)
+    with pytest.raises(ValueError, match="not to share memory with dense"):
+        bsrkit.bsr_dense_mm(bsr, d, out=d)

@@ -269,6 +269,13 @@ def _addmm(
         out = torch.empty(out_shape, dtype=dense.dtype, device=dense.device)
     else:
         check_out(op, out, out_shape, dense.dtype, dense.device)
+        if (
+            out.numel()
+            and dense.numel()
+            and out.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr()
+        ):
+            # The kernels read dense while writing out: shared memory would give a silently wrong result.
+            raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
     if meta is not None and not isinstance(meta, dict):
         raise TypeError(f"{op}(): expected meta to be a dict or None, got {type(meta).__name__}")
 
