@@ -125,3 +125,16 @@ def test_sampled_addmm_non_contiguous_operands(backend):
     mat2 = torch.randn(12, 5, dtype=torch.float64).mT
     got = bsrkit.sampled_addmm(inp, mat1, mat2, beta=0.0)
     assert_close(reference.bsr_to_dense(got), reference.sampled_addmm(inp, mat1, mat2, beta=0.0))
+
+
+def test_sampled_addmm_zero_batch():
+    b = torch.sparse_bsr_tensor(
+        torch.zeros(0, 3, dtype=torch.long),
+        torch.zeros(0, 2, dtype=torch.long),
+        torch.zeros(0, 2, 2, 2, dtype=torch.float64),
+        size=(0, 4, 6),
+    )
+    got = bsrkit.sampled_addmm(
+        b, torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    )
+    assert got.shape == (0, 4, 6) and got.values().shape == (0, 2, 2, 2)

@@ -332,3 +332,25 @@ def test_random_call_sequences_match_a_model(script):
         while len(model) > maxsize:
             model.pop(next(iter(model)))
         assert f.cache_info().currsize == len(model)
+
+
+def test_waiter_with_a_newer_version_recomputes():
+    started, release = threading.Event(), threading.Event()
+
+    @weak_lru_cache()
+    def total(t):
+        value = t.sum().item()
+        started.set()
+        release.wait(5)
+        return torch.tensor(value)
+
+    x = torch.ones(4)
+    results = {}
+    th = threading.Thread(target=lambda: results.__setitem__("a", total(x)))
+    th.start()
+    started.wait(5)
+    x.add_(1)  # the running computation is now stale for later callers
+    threading.Timer(0.2, release.set).start()
+    results["b"] = total(x)
+    th.join()
+    assert results["a"].item() == 4 and results["b"].item() == 8

@@ -107,9 +107,10 @@ class _Entry:
 class _InFlight:
     """A computation in progress: other callers with the same key wait for it instead of recomputing."""
 
-    __slots__ = ("done", "error", "value")
+    __slots__ = ("done", "error", "value", "version")
 
-    def __init__(self) -> None:
+    def __init__(self, version: tuple[int, ...]) -> None:
+        self.version = version  # the argument versions this computation started from
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
@@ -176,15 +177,20 @@ class _CacheState:
         try:
             pending = self.inflight.get(key)
             if pending is None:
-                pending = self.inflight[key] = _InFlight()
+                pending = self.inflight[key] = _InFlight(version)
                 owner = True
                 self.misses += 1
             else:
                 owner = False
-                self.hits += 1
+                if pending.version == version:
+                    self.hits += 1
         finally:
             self._release()
 
+        if not owner and pending.version != version:
+            # The running computation started before an in-place change: its value is stale for us.
+            pending.done.wait()
+            return self.call(args, kwargs)
         if not owner:
             pending.done.wait()
             if pending.error is not None:
@@ -201,8 +207,11 @@ class _CacheState:
             pending.value = value
             return value
         finally:
-            with self.lock:
+            self.lock.acquire()
+            try:
                 del self.inflight[key]
+            finally:
+                self._release()  # applies removals queued by callbacks meanwhile
             pending.done.set()
 
     def _insert(

@@ -720,8 +720,9 @@ def sampled_values(
     Ms, Ns = a.values.shape[-2:]
     rows = plans.block_rows(a.source)  # (Bb, nnz)
     nb = math.prod(batch)
-    rows_b = rows.reshape(*a.batch, -1).expand(*batch, -1).reshape(nb, -1)
-    cols_b = a.col.to(torch.int64).expand(*batch, -1).reshape(nb, -1)
+    nnz = a.nnz
+    rows_b = rows.reshape(*a.batch, nnz).expand(*batch, nnz).reshape(nb, nnz)
+    cols_b = a.col.to(torch.int64).expand(*batch, nnz).reshape(nb, nnz)
     if (
         rows_b.numel()
         and mat1.shape[-1]

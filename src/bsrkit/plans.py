@@ -94,7 +94,7 @@ def _indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
     """(crow, col) of a source, flattened to (batches, -1), int64."""
     crow, col = (source.crow_indices(), source.col_indices()) if isinstance(source, torch.Tensor) else source
     crow2 = crow.reshape(-1, crow.shape[-1]).to(torch.int64)
-    return crow2, col.reshape(crow2.shape[0], -1).to(torch.int64)
+    return crow2, col.reshape(crow2.shape[0], col.shape[-1]).to(torch.int64)
 
 
 def _build_cpu_mm(source: Source, nthreads: int, transposed_block_cols: int) -> CpuMMPlan:
