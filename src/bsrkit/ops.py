@@ -435,6 +435,28 @@ def _cpu_addmm(
         out.copy_(target)
 
 
+def _flatten_batch(
+    a: Operand, dense: torch.Tensor, out: torch.Tensor, batch: torch.Size
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(crow, col, values, dense, out) with the batch flattened to one dim, for the backends that take
+    3-D operands. Broadcast dims become stride-0 views; copies only where no view exists. The last item
+    says whether ``out`` had to be copied (the caller writes it back with ``out.copy_``)."""
+    B, M, K, N = math.prod(batch), a.M, a.K, dense.shape[-1]
+    crow = a.crow.expand(*batch, a.crow.shape[-1]).reshape(B, a.crow.shape[-1])
+    col = a.col.expand(*batch, a.nnz).reshape(B, a.nnz)
+    values = a.values.expand(*batch, *a.values.shape[-3:]).reshape(B, *a.values.shape[-3:])
+    dense3 = dense.expand(*batch, K, N).reshape(B, K, N)
+    out3, copied = _as_3d(out, (B, M, N))
+    return crow, col, values, dense3, out3, copied
+
+
+def _as_3d(t: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, bool]:
+    """A view of ``t`` with ``shape``, or a copy (and True) when the batch dims cannot be viewed flat."""
+    if _viewable3(t):
+        return t.view(shape), False
+    return t.reshape(shape).clone(), True
+
+
 def _torch_addmm(
     a: Operand,
     dense: torch.Tensor,
@@ -443,17 +465,9 @@ def _torch_addmm(
     alpha: float,
     overwrite: bool,
 ) -> None:
-    M, K = a.M, a.K
-    N = dense.shape[-1]
-    values = a.values
-    bsr_batch = a.batch
-    crow = a.crow.expand(*batch, -1).reshape(-1, a.crow.shape[-1])
-    col = a.col.expand(*batch, -1).reshape(crow.shape[0], -1)
-    vals = values.expand(*batch, *values.shape[len(bsr_batch) :]).reshape(-1, *values.shape[-3:])
-    dense3 = dense.expand(*batch, K, N).reshape(-1, K, N)
-    out3 = out.view(-1, M, N) if _viewable3(out) else out.reshape(-1, M, N).clone()
-    torch_ops.bsr_mm_into(crow, col, vals, dense3, out3, alpha, overwrite)
-    if out3.data_ptr() != out.data_ptr() or not _viewable3(out):
+    crow, col, values, dense3, out3, copied = _flatten_batch(a, dense, out, batch)
+    torch_ops.bsr_mm_into(crow, col, values, dense3, out3, alpha, overwrite)
+    if copied:
         out.copy_(out3.view(out.shape))
 
 
@@ -469,18 +483,11 @@ def _triton_addmm(
 ) -> None:
     from bsrkit.backends.triton import kernels
 
-    M, K, N = a.M, a.K, dense.shape[-1]
     Ms, Ks = a.values.shape[-2:]
-    params = tuning.triton_meta(op, out.device, out.dtype, (M, K, N), (Ms, Ks), meta)
-    B = math.prod(batch)
-    # Flatten batch dims; broadcast ones become stride-0 views (copies only where a view is impossible).
-    crow = a.crow.expand(*batch, -1).reshape(B, -1)
-    col = a.col.expand(*batch, -1).reshape(B, -1)
-    values = a.values.expand(*batch, *a.values.shape[-3:]).reshape(B, *a.values.shape[-3:])
-    dense3 = dense.expand(*batch, K, N).reshape(B, K, N)
-    out3 = out.view(B, M, N) if _viewable3(out) else out.reshape(B, M, N).clone()
+    params = tuning.triton_meta(op, out.device, out.dtype, (a.M, a.K, dense.shape[-1]), (Ms, Ks), meta)
+    crow, col, values, dense3, out3, copied = _flatten_batch(a, dense, out, batch)
     kernels.bsr_dense_addmm(crow, col, values, dense3, out3, alpha, overwrite, params)
-    if out3.data_ptr() != out.data_ptr() or not _viewable3(out):
+    if copied:
         out.copy_(out3.view(out.shape))
 
 
@@ -599,10 +606,9 @@ def scatter_mm(
     if fmt == "scatter_mm":
         run(accumulators)
     else:
-        acc3 = accumulators.view(-1, *acc_shape[-2:]) if _viewable3(accumulators) else None
-        target = acc3 if acc3 is not None else accumulators.reshape(-1, *acc_shape[-2:]).clone()
+        target, copied = _as_3d(accumulators, (math.prod(acc_shape[:-2]), acc_shape[-2], acc_shape[-1]))
         run(target)
-        if acc3 is None:
+        if copied:
             accumulators.copy_(target.view(acc_shape))
     return accumulators
 

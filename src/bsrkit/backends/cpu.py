@@ -50,22 +50,35 @@ def blas_layout(row_stride: int, col_stride: int, rows: int, cols: int) -> tuple
 
 
 @functools.cache
+def _mkl_ctypes() -> tuple[Any, ...] | None:
+    """ctypes prototypes of the MKL entry points, callable from numba: (sgemm, dgemm, gemm_bf16,
+    gemm_f16, set_num_threads_local); None when they are missing."""
+    fns = mkl_functions()
+    if fns is None:
+        return None
+    i64 = ctypes.c_int64
+    ci, cf = ctypes.c_int, ctypes.c_float
+    # Fortran gemm: 13 pointers. Pointers are passed as 64-bit integers (same ABI on x86-64/aarch64).
+    fortran = ctypes.CFUNCTYPE(None, *[i64] * 13)
+    half = ctypes.CFUNCTYPE(None, ci, ci, ci, ci, ci, ci, cf, i64, ci, i64, ci, cf, i64, ci)
+    return (
+        fortran(fns.sgemm),
+        fortran(fns.dgemm),
+        half(fns.gemm_bf16),
+        half(fns.gemm_f16),
+        ctypes.CFUNCTYPE(ci, i64)(fns.set_num_threads_local),
+    )
+
+
+@functools.cache
 def bsr_mm_kernel() -> Any:
     """Compile (once per process) and return the kernel; None when MKL entry points are missing."""
-    fns = mkl_functions()
+    fns = _mkl_ctypes()
     if fns is None:
         return None
     import numba  # deferred: importing numba costs ~0.3 s and is needed only here
 
-    i64 = ctypes.c_int64
-    ci, cf = ctypes.c_int, ctypes.c_float
-    # Fortran gemm: 13 pointers. Pointers are passed as 64-bit integers (same ABI on x86-64/aarch64).
-    sgemm = ctypes.CFUNCTYPE(None, *[i64] * 13)(fns.sgemm)
-    dgemm = ctypes.CFUNCTYPE(None, *[i64] * 13)(fns.dgemm)
-    half_sig = (ci, ci, ci, ci, ci, ci, cf, i64, ci, i64, ci, cf, i64, ci)
-    gemm_bf16 = ctypes.CFUNCTYPE(None, *half_sig)(fns.gemm_bf16)
-    gemm_f16 = ctypes.CFUNCTYPE(None, *half_sig)(fns.gemm_f16)
-    set_threads_local = ctypes.CFUNCTYPE(ci, i64)(fns.set_num_threads_local)
+    sgemm, dgemm, gemm_bf16, gemm_f16, set_threads_local = fns  # locals: numba freezes them in
 
     @numba.njit(parallel=True, nogil=True, cache=False)
     def kernel(
@@ -177,19 +190,12 @@ def sampled_kernel() -> Any:
     evenly over the worker threads (every block costs the same). ``C`` is ``(B, nnz, Ms, Ns)``
     contiguous (float32 for half inputs). None when MKL entry points are missing.
     """
-    fns = mkl_functions()
+    fns = _mkl_ctypes()
     if fns is None:
         return None
-    import numba
+    import numba  # deferred: importing numba costs ~0.3 s and is needed only here
 
-    i64 = ctypes.c_int64
-    ci, cf = ctypes.c_int, ctypes.c_float
-    sgemm = ctypes.CFUNCTYPE(None, *[i64] * 13)(fns.sgemm)
-    dgemm = ctypes.CFUNCTYPE(None, *[i64] * 13)(fns.dgemm)
-    half_sig = (ci, ci, ci, ci, ci, ci, cf, i64, ci, i64, ci, cf, i64, ci)
-    gemm_bf16 = ctypes.CFUNCTYPE(None, *half_sig)(fns.gemm_bf16)
-    gemm_f16 = ctypes.CFUNCTYPE(None, *half_sig)(fns.gemm_f16)
-    set_threads_local = ctypes.CFUNCTYPE(ci, i64)(fns.set_num_threads_local)
+    sgemm, dgemm, gemm_bf16, gemm_f16, set_threads_local = fns  # locals: numba freezes them in
 
     @numba.njit(parallel=True, nogil=True, cache=False)
     def kernel(
