@@ -44,8 +44,8 @@ def main() -> None:
     print(f"functools.lru_cache hit (int arg):       {us(lambda: plain(1)):6.2f} us")
     print(f"functools.lru_cache hit (TensorKey arg): {us(lambda: plain(TensorKey(t))):6.2f} us")
     print(f"weak_lru_cache hit (strided tensor):     {us(lambda: weak(t)):6.2f} us")
-    plans.cpu_mm_plan(bsr, 2)
-    print(f"bsrkit plan-cache hit (bsr):             {us(lambda: plans.cpu_mm_plan(bsr, 2)):6.2f} us")
+    plans.cpu_mm_plan(bsr)
+    print(f"bsrkit plan-cache hit (bsr):             {us(lambda: plans.cpu_mm_plan(bsr)):6.2f} us")
     bsrkit.bsr_scatter_mm_indices_data(bsr, x)
     print(
         "bsrkit.bsr_scatter_mm_indices_data hit:  "

@@ -59,13 +59,13 @@ def main() -> None:
                 )
     # Plan cache: hit overhead and the cost of a miss for n=4096, blocksize 32, density 0.1.
     bsr, _ = random_bsr_weight(4096, 32, 0.1, seed=7)
-    plans.cpu_mm_plan(bsr, args.threads)
-    hit = min(timeit.repeat(lambda: plans.cpu_mm_plan(bsr, args.threads), number=2000, repeat=5)) / 2000
+    plans.cpu_mm_plan(bsr)
+    hit = min(timeit.repeat(lambda: plans.cpu_mm_plan(bsr), number=2000, repeat=5)) / 2000
     misses = []
     for _ in range(5):
         bsrkit.cache_clear()
         t0 = time.perf_counter()
-        plans.cpu_mm_plan(bsr, args.threads)
+        plans.cpu_mm_plan(bsr)
         misses.append(time.perf_counter() - t0)
     x = torch.randn(4096, 4096)
     t_prod = median_seconds(lambda: bsrkit.bsr_dense_mm(bsr, x), 3)

@@ -354,3 +354,25 @@ def test_waiter_with_a_newer_version_recomputes():
     results["b"] = total(x)
     th.join()
     assert results["a"].item() == 4 and results["b"].item() == 8
+
+
+def test_prebuilt_key_argument_shares_the_entry_and_its_lifetime():
+    @weak_lru_cache()
+    def f(t):
+        t = t.obj if isinstance(t, TensorKey) else t
+        return t * 2
+
+    x = torch.ones(3)
+    first = f(x)
+    assert f(TensorKey(x)) is first  # a caller's key finds the tensor's entry
+    assert f.cache_info().hits == 1
+    dead = TensorKey(torch.ones(2))  # its tensor is gone at once
+    with pytest.raises(ValueError, match="dead tensor"):
+        f(dead)
+    with torch.inference_mode():
+        y = torch.ones(3)
+    f(TensorKey(y))  # inference tensors are computed, never cached
+    assert f.cache_info().currsize == 1
+    ref = weakref.ref(x)
+    del x, first
+    assert ref() is None and f.cache_info().currsize == 0

@@ -1,4 +1,6 @@
+import functools
 import json
+import os
 import warnings
 
 import pytest
@@ -147,3 +149,23 @@ def test_fallback_warning_once_names_the_command(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", tuning.TuningWarning)
         bsrkit.bsr_dense_mm(bsr, torch.randn(32, 16))  # second time: silent
+
+
+def test_table_written_by_another_process_is_seen_after_the_recheck_delay(tmp_path, monkeypatch):
+    table = tmp_path / "t.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    key = tuning.table_key(tuning.cpu_device_name(), "bsr_dense_mm", torch.float32, (64, 64, 64), (16, 16))
+
+    def write(panel):  # as another process would: no call into this process's tuning module
+        entries = {key: {"panel": panel}}
+        table.write_text(json.dumps({"format": "bsrkit-tuning", "version": 1, "entries": entries}))
+
+    write(16)
+    meta = functools.partial(tuning.cpu_mm_meta, "bsr_dense_mm", torch.float32, (64, 64, 64), (16, 16), None)
+    assert meta()["panel"] == 16
+    write(32)
+    os.utime(table, (1, 1))  # a distinct mtime even on coarse-clock file systems
+    monkeypatch.setattr(tuning, "_RECHECK_SECONDS", 1e9)
+    assert meta()["panel"] == 16  # within the delay: the file is not even stat-ed
+    monkeypatch.setattr(tuning, "_RECHECK_SECONDS", 0.0)
+    assert meta()["panel"] == 32

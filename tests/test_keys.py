@@ -119,3 +119,12 @@ def test_rejects_non_tensors_and_other_layouts():
         TensorKey([1, 2])
     with pytest.raises(TypeError, match="layout"):
         TensorKey(torch.eye(3).to_sparse())
+
+
+def test_key_from_members_equals_key_from_tensor():
+    s = torch.eye(6).to_sparse_bsr((3, 2))
+    members = (s.crow_indices(), s.col_indices(), s.values())
+    k = TensorKey(s, members=members)
+    assert k == TensorKey(s) and hash(k) == hash(TensorKey(s))
+    assert k.version == TensorKey(s).version
+    assert k != TensorKey(torch.eye(6).to_sparse_bsr((3, 2)))

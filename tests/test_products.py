@@ -166,6 +166,27 @@ def test_meta_override_and_threads(monkeypatch):
         bsrkit.bsr_dense_mm(bsr, dense, meta={"panel": 0})
 
 
+def test_work_split_writes_every_tile_exactly_once(monkeypatch):
+    """The CPU kernel cuts (batch, panel, row) tasks into equal-cost runs, one per thread: a gap would
+    leave NaN in ``out`` and an overlap would add a tile twice, for any thread count and panel width."""
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    # Two batches with the same nnz but unequal rows: batch 0 has all its blocks in block row 0.
+    crow = torch.tensor([[0, 4, 4, 4, 4], [0, 1, 2, 3, 4]])
+    col = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]])
+    values = torch.randint(-3, 4, (2, 4, 4, 3)).float()
+    bsr = torch.sparse_bsr_tensor(crow, col, values, size=(2, 16, 12))
+    dense = torch.randint(-3, 4, (3, 1, 12, 10)).float()  # broadcast: batch (3, 2)
+    inp = torch.randint(-3, 4, (3, 2, 16, 10)).float()
+    ref = reference.bsr_dense_mm(bsr, dense)
+    ref_add = reference.bsr_dense_addmm(inp, bsr, dense)
+    for panel, nthreads in itertools.product([1, 3, 10], [1, 2, 3, 5, 64]):
+        meta = {"panel": panel, "nthreads": nthreads}
+        out = torch.full(ref.shape, float("nan"))
+        bsrkit.bsr_dense_mm(bsr, dense, out=out, meta=meta)
+        assert torch.equal(out, ref), meta
+        assert torch.equal(bsrkit.bsr_dense_addmm(inp, bsr, dense, meta=meta), ref_add), meta
+
+
 def test_in_place_index_change_is_never_stale(backend):
     dense_a = torch.zeros(8, 8)
     dense_a[:4, :4] = 1.0
@@ -263,3 +284,18 @@ def test_out_sharing_memory_with_dense_is_refused():
     d = torch.randn(8, 8)
     with pytest.raises(ValueError, match="not to share memory with dense"):
         bsrkit.bsr_dense_mm(bsr, d, out=d)
+
+
+def test_bsr_made_in_inference_mode(backend):
+    """Inference tensors have no version counter: products on them run uncached, and are right."""
+    with torch.inference_mode():
+        bsr = random_bsr((32, 24), (8, 4), 0.5, empty_rows=(1,))
+        dense = torch.randn(24, 10)
+        got = bsrkit.bsr_dense_mm(bsr, dense)
+        ref = reference.bsr_dense_mm(bsr, dense)
+        assert_close(
+            bsrkit.bsr_transposed_dense_mm(bsr, got),
+            reference.bsr_dense_mm(bsr.to_dense().mT.to_sparse_bsr((4, 8)), ref),
+            k=32,
+        )
+    assert_close(got, ref, k=24)

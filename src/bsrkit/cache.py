@@ -337,6 +337,15 @@ def _make_key(
                 parts.append(k)
             elif type(a) in _SCALARS:
                 parts.append(a)
+            elif type(a) is TensorKey:  # built by the caller, who holds its tensor
+                t = a.obj
+                if t is None:
+                    raise ValueError(f"weak_lru_cache: argument #{i} is the TensorKey of a dead tensor")
+                if t.is_inference():
+                    raise _Uncacheable
+                tensors.append(t)
+                version += a.version
+                parts.append(a)
             else:
                 parts.append(_key_part(a, i, tensors, version))
         if kwargs:
@@ -360,6 +369,9 @@ def weak_lru_cache(maxsize: int | None = 128, maxbytes: int | None = None) -> Ca
         Bound on the sum of ``nbytes`` of the tensors (and numpy arrays) held in cached values, looking
         inside tuples, lists and dicts; ``None`` for no bound. A single value larger than the bound is
         returned but not stored.
+
+    A caller that has built the :class:`TensorKey` of a live tensor may pass the key in the tensor's
+    place (the function then receives the key; ``key.obj`` is the tensor).
 
     The wrapper has ``cache_info()`` -> :class:`CacheInfo` ``(hits, misses, maxsize, currsize, nbytes,
     dead_evictions)``, ``cache_clear()`` and ``__wrapped__``. Concurrent calls with the same key run the

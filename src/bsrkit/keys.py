@@ -19,8 +19,6 @@ __all__ = ["SPARSE_COMPRESSED_LAYOUTS", "TensorKey"]
 SPARSE_COMPRESSED_LAYOUTS = frozenset(
     {torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
 )
-_ROW_COMPRESSED = frozenset({torch.sparse_csr, torch.sparse_bsr})
-_BLOCKED = frozenset({torch.sparse_bsr, torch.sparse_bsc})
 
 
 def _strided_identity(t: torch.Tensor) -> tuple[Any, ...]:
@@ -38,16 +36,14 @@ def _strided_identity(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def _index_identity(t: torch.Tensor) -> tuple[Any, ...]:
-    # Index tensors are integer, strided and on the sparse tensor's device (its device is in the key
-    # already); the conj/neg bits never apply to them.
-    return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
-
-
-def _compressed_indices(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if t.layout in _ROW_COMPRESSED:
-        return t.crow_indices(), t.col_indices()
-    return t.ccol_indices(), t.row_indices()
+# layout -> (row-compressed, blocked), for the sparse compressed layouts
+_COMPRESSED_KINDS = {
+    torch.sparse_csr: (True, False),
+    torch.sparse_csc: (False, False),
+    torch.sparse_bsr: (True, True),
+    torch.sparse_bsc: (False, True),
+}
+_STRIDED = torch.strided
 
 
 class TensorKey:
@@ -56,48 +52,61 @@ class TensorKey:
     * strided tensors (any dtype): ``(device, dtype, data_ptr, storage_offset, shape, stride, is_conj,
       is_neg, layout)``;
     * sparse compressed tensors (CSR/CSC/BSR/BSC): ``(layout, device, shape, blocksize, identity of the
-      compressed indices, identity of the plain indices)``, an index identity being ``(data_ptr,
-      storage_offset, shape, stride, dtype)``. The values are deliberately not part of the key: what is
-      cached for a sparse tensor (a *plan*) depends on its sparsity pattern only.
+      compressed indices, identity of the plain indices)`` (flattened), an index identity being
+      ``(data_ptr, storage_offset, shape, stride, dtype)``. The values are deliberately not part of the
+      key: what is cached for a sparse tensor (a *plan*) depends on its sparsity pattern only.
 
     While both tensors are alive, equal keys mean "the same memory viewed the same way". A key whose
     tensor has died compares equal only to itself, so a new tensor allocated at a dead one's address can
     never match an entry made for the dead one.
 
     ``version`` records the version counters (``t._version``) at key creation; it is not part of
-    equality. Caches compare it to detect in-place modification (see :mod:`bsrkit.cache`).
+    equality. Caches compare it to detect in-place modification (see :mod:`bsrkit.cache`). Inference
+    tensors have no version counter: their ``version`` is ``()`` (caches do not store them).
     """
 
     __slots__ = ("__weakref__", "_hash", "_identity", "_ref", "version")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        *,
+        members: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``members``: ``(compressed indices, plain indices, values)`` of a sparse compressed
+        ``tensor``, for a caller that fetched them already (each accessor creates a tensor, ~1 µs)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"TensorKey(): expected a torch.Tensor, got {type(tensor).__name__}")
         layout = tensor.layout
-        if layout is torch.strided:
+        if layout is _STRIDED:
             self._identity: tuple[Any, ...] = _strided_identity(tensor)
-            self.version: tuple[int, ...] = (tensor._version,)
-        elif layout in SPARSE_COMPRESSED_LAYOUTS:
-            compressed, plain = _compressed_indices(tensor)
-            if layout in _BLOCKED:
-                # values: (*batch, nnz, *blocksize, *dense_dims); batch ndim = compressed.ndim - 1
-                nb = compressed.ndim
-                blocksize = tuple(tensor.values().shape[nb : nb + 2])
-            else:
-                blocksize = ()
-            self._identity = (
-                layout,
-                tensor.device,
-                tensor.shape,
-                blocksize,
-                _index_identity(compressed),
-                _index_identity(plain),
-            )
-            self.version = (compressed._version, plain._version)
+            self.version: tuple[int, ...] = () if tensor.is_inference() else (tensor._version,)
         else:
-            raise TypeError(
-                f"TensorKey(): expected a strided or sparse compressed tensor, got layout {layout}"
-            )
+            kind = _COMPRESSED_KINDS.get(layout)
+            if kind is None:
+                raise TypeError(
+                    f"TensorKey(): expected a strided or sparse compressed tensor, got layout {layout}"
+                )
+            row_compressed, blocked = kind
+            if members is not None:
+                c, p, values = members
+            elif row_compressed:
+                c, p, values = tensor.crow_indices(), tensor.col_indices(), None
+            else:
+                c, p, values = tensor.ccol_indices(), tensor.row_indices(), None
+            blocksize: tuple[int, ...] = ()
+            if blocked:
+                # values: (*batch, nnz, *blocksize, *dense_dims); batch ndim = c.ndim - 1
+                nb = c.dim()
+                blocksize = (tensor.values() if values is None else values).shape[nb : nb + 2]
+            # One flat tuple (it is hashed and compared on every cache lookup). Index tensors are integer,
+            # strided and on the sparse tensor's device; the conj/neg bits never apply to them.
+            self._identity = (
+                layout, tensor.device, tensor.shape, blocksize,
+                c.data_ptr(), c.storage_offset(), c.shape, c.stride(), c.dtype,
+                p.data_ptr(), p.storage_offset(), p.shape, p.stride(), p.dtype,
+            )  # fmt: skip
+            self.version = () if tensor.is_inference() else (c._version, p._version)
         self._ref = weakref.ref(tensor)
         self._hash = hash(self._identity)
 

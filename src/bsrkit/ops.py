@@ -19,6 +19,7 @@ from bsrkit import plans, tuning
 from bsrkit.backends import torch_ops
 from bsrkit.backends import triton as triton_backend
 from bsrkit.backends.cpu import blas_layout
+from bsrkit.keys import TensorKey
 from bsrkit.validation import (
     broadcast_batch,
     check_bsr,
@@ -72,7 +73,9 @@ class Operand(NamedTuple):
     @classmethod
     def of(cls, bsr: torch.Tensor) -> Operand:
         M, K = bsr.shape[-2:]
-        return cls(bsr.crow_indices(), bsr.col_indices(), bsr.values(), M, K, bsr)
+        crow, col, values = bsr.crow_indices(), bsr.col_indices(), bsr.values()
+        # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).
+        return cls(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)))
 
     def transposed(self) -> Operand:
         """The operand of ``bsr.mT``: the plan maps its blocks to the original's; no dense transpose."""
@@ -333,6 +336,8 @@ def _batch_offsets(t: torch.Tensor, t_batch_ndim: int, batch: torch.Size) -> np.
     first ``t_batch_ndim`` dimensions broadcast to ``batch``. No copies: broadcast dims add 0."""
     nd = len(batch)
     if t_batch_ndim == 0:
+        if nd == 0:  # the common unbatched call: the cheapest array numpy makes
+            return np.array((t.storage_offset(),), dtype=np.int64)
         return np.full(math.prod(batch), t.storage_offset(), dtype=np.int64)
     offsets = np.full(tuple(batch), t.storage_offset(), dtype=np.int64)
     lead = nd - t_batch_ndim
@@ -392,7 +397,7 @@ def _cpu_addmm(
     Ms, Ks = values.shape[-2:]
     params = tuning.cpu_mm_meta(op, out.dtype, (M, a.K, N), (Ms, Ks), meta)
     nthreads = params["nthreads"]
-    plan = plans.cpu_mm_plan(a.source, nthreads, a.transposed_block_cols)
+    plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols)
     values, a_rowmajor, lda = _blas_operand(values)
     dense, b_rowmajor, ldb = _blas_operand(dense)
 
@@ -409,7 +414,9 @@ def _cpu_addmm(
 
     bsr_batch = a.batch
     n_bsr = math.prod(bsr_batch)
-    if bsr_batch == batch:
+    if not batch:
+        bsr_of = np.zeros(1, dtype=np.int64)
+    elif bsr_batch == batch:
         bsr_of = np.arange(n_bsr, dtype=np.int64)
     else:
         bsr_of = np.ascontiguousarray(
@@ -418,7 +425,7 @@ def _cpu_addmm(
     a_boff = _batch_offsets(values, values.ndim - 3, bsr_batch)
     isz_ab = values.element_size()
     args = (
-        _KINDS[out.dtype], plan.crow, plan.col, plan.splits, bsr_of,
+        _KINDS[out.dtype], plan.crow, plan.col, plan.cost, bsr_of, nthreads,
         values.data_ptr() - values.storage_offset() * isz_ab, a_boff, values.stride(-3),
         a_rowmajor, lda,
         dense.data_ptr() - dense.storage_offset() * isz_ab, _batch_offsets(dense, dense.ndim - 2, batch),

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from bsrkit.cache import CacheInfo, weak_lru_cache
+from bsrkit.keys import TensorKey
 
 __all__ = [
     "CpuMMPlan",
@@ -32,11 +33,12 @@ _ROW_OVERHEAD_BLOCKS = 0.05
 
 
 class CpuMMPlan(NamedTuple):
-    """What the CPU kernel needs: int64 indices, and per batch the block-row cut points per thread."""
+    """What the CPU kernel needs: int64 indices, and per batch the prefix sums of the block rows' costs
+    (the kernel cuts its work into runs of equal cost with them)."""
 
     crow: np.ndarray  # (batches, block_rows + 1)
     col: np.ndarray  # (batches, nnz)
-    splits: np.ndarray  # (batches, nthreads + 1): thread t owns block rows splits[b, t]:splits[b, t+1]
+    cost: np.ndarray  # (batches, block_rows + 1) float64: cost of rows 0..r-1, in blocks
 
 
 class TransposePlan(NamedTuple):
@@ -47,8 +49,9 @@ class TransposePlan(NamedTuple):
     col: torch.Tensor  # (batches, nnz) int64
 
 
-# A plan's *source* is what its entry lives with: a BSR tensor (public ops), or a (crow_indices,
-# col_indices) pair of long-lived tensors (BSRLinear's buffers, the custom ops under torch.compile).
+# A plan's *source* is what its entry lives with: a BSR tensor (public ops) or its TensorKey (built once
+# per call by ``ops.Operand.of``), or a (crow_indices, col_indices) pair of long-lived tensors
+# (BSRLinear's buffers, the custom ops under torch.compile).
 Source = Any
 
 _BUILDERS: dict[str, Callable[..., Any]]  # filled at the end of the module
@@ -69,10 +72,10 @@ def cache_clear() -> None:
     _plan.cache_clear()  # type: ignore[attr-defined]
 
 
-def cpu_mm_plan(source: Source, nthreads: int, transposed_block_cols: int = 0) -> CpuMMPlan:
+def cpu_mm_plan(source: Source, transposed_block_cols: int = 0) -> CpuMMPlan:
     """Kernel plan for ``source`` (or, with ``transposed_block_cols`` = its block-column count > 0, for
     its transpose)."""
-    return _plan("cpu_mm", source, nthreads, transposed_block_cols)
+    return _plan("cpu_mm", source, transposed_block_cols)
 
 
 def transpose_plan(source: Source, block_cols: int) -> TransposePlan:
@@ -92,27 +95,24 @@ def scatter_mm_indices(
 
 def _indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
     """(crow, col) of a source, flattened to (batches, -1), int64."""
+    if isinstance(source, TensorKey):
+        source = source.obj
     crow, col = (source.crow_indices(), source.col_indices()) if isinstance(source, torch.Tensor) else source
     crow2 = crow.reshape(-1, crow.shape[-1]).to(torch.int64)
     return crow2, col.reshape(crow2.shape[0], col.shape[-1]).to(torch.int64)
 
 
-def _build_cpu_mm(source: Source, nthreads: int, transposed_block_cols: int) -> CpuMMPlan:
+def _build_cpu_mm(source: Source, transposed_block_cols: int) -> CpuMMPlan:
     if transposed_block_cols:
         t = transpose_plan(source, transposed_block_cols)
         crow, col = t.crow, t.col
     else:
         crow, col = _indices(source)
-    rows = crow.shape[1] - 1
-    # Balanced contiguous cut: thread t takes the rows whose cumulative cost falls in its 1/T share.
+    # A row costs its gemms plus a small overhead (an empty row still has its tile zeroed).
     cost = crow.diff(dim=1).to(torch.float64) + _ROW_OVERHEAD_BLOCKS
     cum = torch.cat([cost.new_zeros(cost.shape[0], 1), cost.cumsum(1)], dim=1)
-    targets = cum[:, -1:] * torch.linspace(0, 1, nthreads + 1, dtype=torch.float64)
-    splits = torch.searchsorted(cum.contiguous(), targets.contiguous()).clamp_(0, rows)
-    splits[:, 0] = 0
-    splits[:, -1] = rows
     # Copies (not views) of the indices: a plan must not hold a view of a source tensor.
-    return CpuMMPlan(crow.clone().numpy(), col.clone().numpy(), splits.to(torch.int64).numpy())
+    return CpuMMPlan(crow.clone().numpy(), col.clone().numpy(), cum.numpy())
 
 
 def _build_rows(source: Source) -> torch.Tensor:

@@ -12,12 +12,14 @@ warning) and ignored, never a crash.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import platform
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,7 @@ def cpu_device_name() -> str:
     return _CPU_NAME[0]
 
 
+@functools.lru_cache(maxsize=4096)  # looked up on every product call: format each key once
 def table_key(
     device: str, op: str, dtype: torch.dtype, shape: tuple[int, int, int], blocksize: tuple[int, int]
 ) -> str:
@@ -89,7 +92,11 @@ def table_key(
 
 
 _lock = threading.Lock()
-_loaded: dict[str, tuple[float, dict[str, dict[str, Any]]]] = {}  # path -> (mtime, entries)
+# path -> (mtime or None when missing, time.monotonic() of the last stat, entries)
+_loaded: dict[str, tuple[float | None, float, dict[str, dict[str, Any]]]] = {}
+# A product call looks the table up; the file is stat-ed at most this often (another process's `bsrkit
+# tune` is seen within this delay; this process's own writes at once).
+_RECHECK_SECONDS = 1.0
 _warned: set[str] = set()
 
 
@@ -101,16 +108,22 @@ def _warn_once(tag: str, message: str) -> None:
     warnings.warn(message, TuningWarning, stacklevel=4)
 
 
-def load_table(path: Path | None = None) -> dict[str, dict[str, Any]]:
+def load_table(path: Path | str | None = None) -> dict[str, dict[str, Any]]:
     """The entries of a tuning table ({} when missing, corrupt or foreign; the latter two warn once)."""
-    path = Path(path) if path is not None else default_table_path()
+    name = str(path) if path is not None else os.environ.get(TABLE_ENV) or str(default_table_path())
+    now = time.monotonic()
+    cached = _loaded.get(name)
+    if cached is not None and now - cached[1] < _RECHECK_SECONDS:
+        return cached[2]
     try:
-        mtime = path.stat().st_mtime
+        mtime = os.stat(name).st_mtime
     except OSError:
+        _loaded[name] = (None, now, {})
         return {}
-    cached = _loaded.get(str(path))
     if cached is not None and cached[0] == mtime:
-        return cached[1]
+        _loaded[name] = (mtime, now, cached[2])
+        return cached[2]
+    path = Path(name)
     entries: dict[str, dict[str, Any]] = {}
     try:
         data = json.loads(path.read_text())
@@ -125,7 +138,7 @@ def load_table(path: Path | None = None) -> dict[str, dict[str, Any]]:
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         _warn_once(f"bad:{path}:{mtime}", f"bsrkit: ignoring tuning table {path}: {exc}")
         entries = {}
-    _loaded[str(path)] = (mtime, entries)
+    _loaded[name] = (mtime, now, entries)
     return entries
 
 
@@ -142,7 +155,7 @@ def save_entries(new: dict[str, dict[str, Any]], path: Path | None = None) -> Pa
     with os.fdopen(fd, "w") as f:
         json.dump(payload, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
-    _loaded.pop(str(path), None)
+    _loaded.pop(str(path), None)  # this process sees its own write at once
     return path
 
 
@@ -157,7 +170,7 @@ def lookup(
     warning naming ``bsrkit tune``."""
     key = table_key(device_name or cpu_device_name(), op, dtype, shape, blocksize)
     found = load_table().get(key)
-    if found is None:
+    if found is None and "fallback" not in _warned:  # (checked first: the message costs ~2 µs to format)
         M, K, N = shape
         _warn_once(
             "fallback",
