@@ -46,6 +46,9 @@ def main() -> None:
     print(f"weak_lru_cache hit (strided tensor):     {us(lambda: weak(t)):6.2f} us")
     plans.cpu_mm_plan(bsr)
     print(f"bsrkit plan-cache hit (bsr):             {us(lambda: plans.cpu_mm_plan(bsr)):6.2f} us")
+    members = (bsr.crow_indices(), bsr.col_indices(), bsr.values())  # a product fetches these anyway
+    in_product = us(lambda: plans.cpu_mm_plan(TensorKey(bsr, members=members)))
+    print(f"bsrkit plan-cache hit inside a product:  {in_product:6.2f} us")
     bsrkit.bsr_scatter_mm_indices_data(bsr, x)
     print(
         "bsrkit.bsr_scatter_mm_indices_data hit:  "
