@@ -1,6 +1,9 @@
 """The Triton kernels, run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, see conftest)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -123,3 +126,71 @@ def test_tune_triton_parameters_in_the_interpreter(tmp_path, monkeypatch):
     assert params["BLOCK_N"] in (16, 32) and params["num_warps"] == 4 and params["num_stages"] == 1
     entries = json.loads(table.read_text())["entries"]
     assert all(k.startswith("triton-interpreter|") for k in entries)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_blocks_larger_than_the_tiles(dtype):
+    # 40 x 36 blocks with 16-wide tiles: three row tiles per block, three K chunks, ragged edges.
+    bsr = random_bsr((2, 80, 108), (40, 36), 0.6, dtype, empty_rows=(1,))
+    dense = torch.randn(108, 50).to(dtype)
+    meta = {"BLOCK_M": 16, "BLOCK_K": 16, "BLOCK_N": 16}
+    got = bsrkit.bsr_dense_addmm(torch.randn(80, 50).to(dtype), bsr, dense, beta=0.0, meta=meta)
+    assert_close(got, reference.bsr_dense_mm(bsr, dense), k=108)
+
+
+def test_scatter_mm_blocks_taller_than_a_tile():
+    # 136 rows > the default BLOCK_M (128): a second, mostly masked row tile; 40 > BLOCK_K (16): a K loop.
+    blocks = torch.randn(3, 136, 40)
+    others = torch.randn(2, 40, 24)
+    data = ("scatter_mm", torch.tensor([0, 2, 3]), torch.tensor([[0, 1], [2, 0], [1, 1]]))
+    acc = torch.randn(2, 136, 24)
+    expected = reference.scatter_mm(blocks, others, data, acc)
+    assert_close(bsrkit.scatter_mm(blocks, others, data, accumulators=acc.clone()), expected, k=80)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sampled_addmm_long_inner_dimension(dtype):
+    inp = random_bsr((2, 40, 36), (20, 12), 0.5, dtype, empty_rows=(0,))
+    mat1 = torch.randn(2, 40, 70).to(dtype)
+    mat2 = torch.randn(36, 70).to(dtype).mT  # column-major, broadcast over the batch
+    got = bsrkit.sampled_addmm(inp, mat1, mat2, beta=0.5, alpha=-1.0)
+    expected = reference.sampled_addmm(inp, mat1, mat2.expand(2, 70, 36), beta=0.5, alpha=-1.0)
+    assert_close(reference.bsr_to_dense(got), expected, k=70)
+    empty_k = bsrkit.sampled_addmm(inp, mat1[..., :0], mat2[:0], beta=2.0)  # K == 0: only beta * input
+    assert_close(empty_k.values(), 2 * inp.values())
+
+
+def test_alpha_keeps_float64_precision():
+    bsr = random_bsr((12, 12), (4, 3), 0.6, torch.float64, integers=True)
+    dense = torch.randint(-3, 4, (12, 5)).double()
+    alpha = 1 / 3  # not a float32 number: rounding it would cost ~1e-8 relative error
+    got = bsrkit.bsr_dense_addmm(torch.zeros(12, 5, dtype=torch.float64), bsr, dense, alpha=alpha)
+    torch.testing.assert_close(got, alpha * reference.bsr_dense_mm(bsr, dense), rtol=1e-15, atol=0)
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """Compiles the kernels for an H100/H200 with Triton's own ptxas (no GPU needed) at the default tiles
+    and reads the cubins' resources: no register spills, shared memory within the SM's 227 KiB, and the
+    float64 ``alpha`` argument (a Python float would be typed float32)."""
+    script = (
+        "import json, torch\n"
+        "from bsrkit.backends.triton.resources import KERNELS, default_resources\n"
+        "cases = [('bsr_dense_addmm', d, bs) for d in (torch.float16, torch.float32, torch.float64)"
+        " for bs in (16, 64, 128)]\n"
+        "cases += [(k, torch.float16, 64) for k in ('scatter_mm', 'bsr_strided_mm', 'sampled_addmm')]\n"
+        "cases += [('sampled_addmm', torch.float64, 128)]\n"
+        "rows = [(k, str(d), bs, default_resources(k, d, bs).__dict__) for k, d, bs in cases]\n"
+        "alpha = {k: [p.annotation_type for p in f.params if p.name == 'alpha']"
+        " for k, f in KERNELS.items()}\n"
+        "print(json.dumps({'rows': rows, 'alpha': alpha}))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    for kernel, dtype, bs, r in report["rows"]:
+        assert r["stack_bytes"] == 0 and r["local_bytes"] == 0, (kernel, dtype, bs, r)
+        assert r["shared_bytes"] <= 227 * 1024, (kernel, dtype, bs, r)
+    assert report["alpha"] == {
+        "bsr_dense_addmm": ["fp64"], "scatter_mm": [], "bsr_strided_mm": [], "sampled_addmm": ["fp64"]
+    }  # fmt: skip

@@ -736,12 +736,18 @@ def sampled_values(
     nnz = a.nnz
     rows_b = rows.reshape(*a.batch, nnz).expand(*batch, nnz).reshape(nb, nnz)
     cols_b = a.col.to(torch.int64).expand(*batch, nnz).reshape(nb, nnz)
-    if (
-        rows_b.numel()
-        and mat1.shape[-1]
-        and select_backend("sampled_addmm", mat1.device, mat1.dtype) == "cpu"
-    ):
+    backend = select_backend("sampled_addmm", mat1.device, mat1.dtype)
+    if backend == "cpu" and rows_b.numel() and mat1.shape[-1]:
         values = _cpu_sampled(rows_b, cols_b, Ms, Ns, mat1, mat2, batch, alpha)
+    elif backend == "triton":
+        from bsrkit.backends.triton import kernels
+
+        M, K = mat1.shape[-2:]
+        N = mat2.shape[-1]
+        params = tuning.triton_meta("sampled_addmm", mat1.device, mat1.dtype, (M, K, N), (Ms, Ns), None)
+        mat1_3 = mat1.expand(*batch, M, K).reshape(nb, M, K)
+        mat2_3 = mat2.expand(*batch, K, N).reshape(nb, K, N)
+        values = kernels.sampled_blocks(rows_b, cols_b, Ms, Ns, mat1_3, mat2_3, alpha, params)
     else:
         values = torch_ops.sampled_blocks(rows_b, cols_b, Ms, Ns, mat1, mat2, batch, alpha)
     return values.reshape(*batch, *values.shape[1:])

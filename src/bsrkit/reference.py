@@ -121,6 +121,7 @@ def block_mask(bsr: torch.Tensor) -> torch.Tensor:
         bsr.col_indices(),
         torch.ones_like(bsr.values(), dtype=torch.float64),
         size=bsr.shape,
+        check_invariants=False,  # the indices come from a BSR tensor torch already accepted
     )
     return bsr_to_dense(ones) != 0
 

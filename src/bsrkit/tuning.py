@@ -226,7 +226,8 @@ def cpu_mm_meta(
     return result
 
 
-_TRITON_KEYS = frozenset({"BLOCK_N", "num_warps", "num_stages"})
+_TRITON_KEYS = frozenset({"BLOCK_M", "BLOCK_K", "BLOCK_N", "num_warps", "num_stages"})
+_TRITON_TILES = ("BLOCK_M", "BLOCK_K", "BLOCK_N")
 
 
 def triton_device_name(device: torch.device) -> str:
@@ -243,12 +244,19 @@ def triton_meta(
     blocksize: tuple[int, int],
     meta: dict[str, Any] | None,
 ) -> dict[str, int]:
-    """Triton launch parameters: ``BLOCK_N`` (output tile width, a power of two >= 16), ``num_warps``,
-    ``num_stages``. ``meta`` wins; then the tuning table for this GPU; then the defaults."""
+    """Triton launch parameters: the tile caps ``BLOCK_M`` (rows of a block per program), ``BLOCK_K``
+    (inner-dimension chunk), ``BLOCK_N`` (output columns per program), each a power of two >= 16 that the
+    kernels clamp to the padded extent; ``num_warps``; ``num_stages``. ``meta`` wins; then the tuning table
+    for this GPU; then the defaults.
+
+    The defaults are the largest tiles whose kernels compile for sm_90 without register spills in every
+    dtype (``bsrkit.backends.triton.resources``; table in docs/performance.md): 128 x 32 x 64 for half
+    types, 128 x 16 x 64 for float32 and float64 (their IEEE ``tl.dot`` holds its operands in registers),
+    8 warps for tiles of 128 x 64 outputs and more, else 4."""
     from bsrkit.backends.triton.kernels import tile
 
-    N = shape[2]
-    result = {"BLOCK_N": min(64, tile(N)), "num_warps": 4, "num_stages": 2}
+    half = dtype in (torch.float16, torch.bfloat16)
+    result = {"BLOCK_M": 128, "BLOCK_K": 32 if half else 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
     source = meta
     if meta is None:
         source = lookup(op, dtype, shape, blocksize, triton_device_name(device)) or {}
@@ -264,10 +272,16 @@ def triton_meta(
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{op}(): expected meta[{name!r}] to be an int >= 1, got {value!r}")
         result[name] = value
-    if result["BLOCK_N"] < 16 or result["BLOCK_N"] & (result["BLOCK_N"] - 1):
-        raise ValueError(
-            f"{op}(): expected meta['BLOCK_N'] to be a power of two >= 16, got {result['BLOCK_N']}"
-        )
+    for name in _TRITON_TILES:
+        if result[name] < 16 or result[name] & (result[name] - 1):
+            raise ValueError(
+                f"{op}(): expected meta[{name!r}] to be a power of two >= 16, got {result[name]}"
+            )
+    if "num_warps" not in source:
+        # The output tile one program computes: rows of a block by columns of N (of a block for SDDMM).
+        cols = blocksize[1] if op == "sampled_addmm" else shape[2]
+        outputs = min(result["BLOCK_M"], tile(blocksize[0])) * min(result["BLOCK_N"], tile(cols))
+        result["num_warps"] = 8 if outputs >= 128 * 64 else 4
     return result
 
 

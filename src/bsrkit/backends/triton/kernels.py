@@ -3,8 +3,14 @@
 
 * every tensor argument is passed with all its strides, so nothing needs to be contiguous;
 * block shapes Triton cannot load directly (not powers of two, < 16) and ragged N are padded in the
-  kernel to the next power of two >= 16 with masked loads and stores, not refused;
-* accumulation is float32 for half types, float64 for float64 (``_ACC``).
+  kernel to the next power of two >= 16 with masked loads and stores, not refused; blocks larger than a
+  tile are cut into ``BLOCK_M`` row tiles (one program each) and ``BLOCK_K`` chunks (a loop), so any
+  block shape compiles within the GPU's registers and shared memory;
+* accumulation is float32 for half types, float64 for float64 (``_ACC``); float32 products use IEEE
+  precision unless ``torch.backends.cuda.matmul.allow_tf32`` is set, as ``torch.mm`` does;
+* grids are 1-D (dimension 0 allows 2**31 - 1 programs; dimensions 1 and 2 only 65535) and every offset
+  is computed in int64, so large and strided operands do not overflow 32-bit index arithmetic;
+* ``alpha`` is a float64 argument (a plain Python float would be passed as float32).
 
 Kernel signatures group arguments by tensor: ``<tensor>_ptr`` then ``stride_<tensor>_<dim>``; tile sizes
 are UPPER_CASE constexprs. These functions never validate or cache (``bsrkit.ops`` does).
@@ -18,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["bsr_dense_addmm", "scatter_mm_into", "tile"]
+__all__ = ["bsr_dense_addmm", "sampled_blocks", "scatter_mm_into", "tile"]
 
 _ACC = {
     torch.float16: tl.float32,
@@ -33,6 +39,54 @@ def tile(n: int) -> int:
     return max(16, triton.next_power_of_2(max(n, 1)))
 
 
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: TF32 for float32 only when torch allows it for matmuls (as torch.mm)."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _tiles(meta: dict[str, Any], rows: int, inner: int, cols: int) -> dict[str, int]:
+    """Tile constexprs for an (rows x inner) @ (inner x cols) block product: meta's caps, clamped to the
+    padded extents so a small block is one tile."""
+    return {
+        "BLOCK_M": min(meta["BLOCK_M"], tile(rows)),
+        "BLOCK_K": min(meta["BLOCK_K"], tile(inner)),
+        "BLOCK_N": min(meta["BLOCK_N"], tile(cols)),
+    }
+
+
+@triton.jit
+def _split_pid(N_TILES, M_TILES):
+    """This program's (outer, m-tile, n-tile), n-tile fastest: neighbouring programs read the same rows
+    of the sparse operand. int64, so products with strides cannot overflow."""
+    pid = tl.program_id(0).to(tl.int64)
+    n_t = pid % N_TILES
+    rest = pid // N_TILES
+    return rest // M_TILES, rest % M_TILES, n_t
+
+
+@triton.jit
+def _block_product(
+    acc, a_ptr, stride_a_m, stride_a_k, d_ptr, stride_d_k, stride_d_n, rm, rn, mask_m, mask_n, Ks,
+    ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """acc += a[rm, :Ks] @ d[:Ks, rn], in BLOCK_K chunks; out-of-range rows, columns and k are masked."""
+    for k0 in range(0, Ks, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask_k = rk < Ks
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_a_m + rk[None, :] * stride_a_k,
+            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+        )  # fmt: skip
+        d = tl.load(
+            d_ptr + rk[:, None] * stride_d_k + rn[None, :] * stride_d_n,
+            mask=mask_k[:, None] & mask_n[None, :], other=0.0,
+        )  # fmt: skip
+        acc += tl.dot(a, d, input_precision=PRECISION, out_dtype=ACC_DTYPE)
+    return acc
+
+
 @triton.jit
 def _bsr_dense_addmm_kernel(
     # BSR operand, batched: crow (B, MB + 1), col (B, nnz), values (B, nnz, Ms, Ks)
@@ -41,40 +95,34 @@ def _bsr_dense_addmm_kernel(
     values_ptr, stride_values_b, stride_values_g, stride_values_m, stride_values_k,
     # dense (B, K, N)
     dense_ptr, stride_dense_b, stride_dense_k, stride_dense_n,
-    # out (B, M, N): out[b, m-block, n-tile] (+)= alpha * sum_g values[g] @ dense[col[g]-block, n-tile]
+    # out (B, M, N): out[b, m-block rows, n-tile] (+)= alpha * sum_g values[g] @ dense[col[g]-block, n-tile]
     out_ptr, stride_out_b, stride_out_m, stride_out_n,
-    Ms, Ks, N, alpha,
-    OVERWRITE: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    MB, Ms, Ks, N, M_TILES, N_TILES, alpha: tl.float64,
+    OVERWRITE: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    m = tl.program_id(1)
-    n0 = tl.program_id(2) * BLOCK_N
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    rn = n0 + tl.arange(0, BLOCK_N)
+    row, m_t, n_t = _split_pid(N_TILES, M_TILES)
+    b = row // MB
+    m = row % MB
+    rm = m_t * BLOCK_M + tl.arange(0, BLOCK_M)  # rows inside the block
+    rn = n_t * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = rm < Ms
-    mask_k = rk < Ks
     mask_n = rn < N
-    g0 = tl.load(crow_ptr + b * stride_crow_b + m * stride_crow_m)
-    g1 = tl.load(crow_ptr + b * stride_crow_b + (m + 1) * stride_crow_m)
+    crow = crow_ptr + b * stride_crow_b + m * stride_crow_m
+    g0 = tl.load(crow).to(tl.int64)
+    g1 = tl.load(crow + stride_crow_m).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for g in range(g0, g1):
-        c = tl.load(col_ptr + b * stride_col_b + g * stride_col_g)
-        a = tl.load(
-            values_ptr + b * stride_values_b + g * stride_values_g
-            + rm[:, None] * stride_values_m + rk[None, :] * stride_values_k,
-            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+        c = tl.load(col_ptr + b * stride_col_b + g * stride_col_g).to(tl.int64)
+        acc = _block_product(
+            acc,
+            values_ptr + b * stride_values_b + g * stride_values_g, stride_values_m, stride_values_k,
+            dense_ptr + b * stride_dense_b + c * Ks * stride_dense_k, stride_dense_k, stride_dense_n,
+            rm, rn, mask_m, mask_n, Ks, ACC_DTYPE, PRECISION, BLOCK_K,
         )  # fmt: skip
-        d = tl.load(
-            dense_ptr + b * stride_dense_b + (c * Ks + rk)[:, None] * stride_dense_k
-            + rn[None, :] * stride_dense_n,
-            mask=mask_k[:, None] & mask_n[None, :], other=0.0,
-        )  # fmt: skip
-        acc += tl.dot(a, d, out_dtype=ACC_DTYPE)
     out_ptrs = out_ptr + b * stride_out_b + (m * Ms + rm)[:, None] * stride_out_m + rn[None, :] * stride_out_n
     mask = mask_m[:, None] & mask_n[None, :]
-    result = acc * alpha
+    result = (acc * alpha).to(ACC_DTYPE)  # alpha is float64: scale in float64, then round once
     if not OVERWRITE:
         result += tl.load(out_ptrs, mask=mask, other=0.0).to(ACC_DTYPE)
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
@@ -90,19 +138,20 @@ def bsr_dense_addmm(
     overwrite: bool,
     meta: dict[str, Any],
 ) -> None:
+    """``out (+)= alpha * bsr @ dense`` on batch-flattened operands (``overwrite``: ``=``, else ``+=``)."""
     B, M, N = out.shape
     Ms, Ks = values.shape[-2:]
-    block_n = meta["BLOCK_N"]
-    grid = (B, M // Ms, triton.cdiv(N, block_n))
+    tiles = _tiles(meta, Ms, Ks, N)
+    m_tiles, n_tiles = triton.cdiv(Ms, tiles["BLOCK_M"]), triton.cdiv(N, tiles["BLOCK_N"])
+    grid = (B * (M // Ms) * m_tiles * n_tiles,)
     _bsr_dense_addmm_kernel[grid](
         crow, crow.stride(0), crow.stride(1),
         col, col.stride(0), col.stride(1),
         values, values.stride(0), values.stride(1), values.stride(2), values.stride(3),
         dense, dense.stride(0), dense.stride(1), dense.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
-        Ms, Ks, N, alpha,
-        OVERWRITE=overwrite, ACC_DTYPE=_ACC[out.dtype],
-        BLOCK_M=tile(Ms), BLOCK_K=tile(Ks), BLOCK_N=block_n,
+        M // Ms, Ms, Ks, N, m_tiles, n_tiles, float(alpha),
+        OVERWRITE=overwrite, ACC_DTYPE=_ACC[out.dtype], PRECISION=_precision(out.dtype), **tiles,
         num_warps=meta["num_warps"], num_stages=meta["num_stages"],
     )  # fmt: skip
 
@@ -114,29 +163,26 @@ def _scatter_mm_batches_kernel(
     others_ptr, stride_others_q, stride_others_k, stride_others_n,
     acc_ptr, stride_acc_r, stride_acc_m, stride_acc_n,
     c_offsets_ptr, pq_ptr, stride_pq_g, stride_pq_i,
-    Ms, Ks, Ns,
-    ACC_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    Ms, Ks, Ns, M_TILES, N_TILES,
+    ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    r = tl.program_id(0)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_k, mask_n = rm < Ms, rk < Ks, rn < Ns
-    g0 = tl.load(c_offsets_ptr + r)
-    g1 = tl.load(c_offsets_ptr + r + 1)
+    r, m_t, n_t = _split_pid(N_TILES, M_TILES)
+    rm = m_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = n_t * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = rm < Ms, rn < Ns
+    g0 = tl.load(c_offsets_ptr + r).to(tl.int64)
+    g1 = tl.load(c_offsets_ptr + r + 1).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for g in range(g0, g1):
-        p = tl.load(pq_ptr + g * stride_pq_g)
-        q = tl.load(pq_ptr + g * stride_pq_g + stride_pq_i)
-        a = tl.load(
-            blocks_ptr + p * stride_blocks_p + rm[:, None] * stride_blocks_m + rk[None, :] * stride_blocks_k,
-            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+        p = tl.load(pq_ptr + g * stride_pq_g).to(tl.int64)
+        q = tl.load(pq_ptr + g * stride_pq_g + stride_pq_i).to(tl.int64)
+        acc = _block_product(
+            acc,
+            blocks_ptr + p * stride_blocks_p, stride_blocks_m, stride_blocks_k,
+            others_ptr + q * stride_others_q, stride_others_k, stride_others_n,
+            rm, rn, mask_m, mask_n, Ks, ACC_DTYPE, PRECISION, BLOCK_K,
         )  # fmt: skip
-        d = tl.load(
-            others_ptr + q * stride_others_q + rk[:, None] * stride_others_k + rn[None, :] * stride_others_n,
-            mask=mask_k[:, None] & mask_n[None, :], other=0.0,
-        )  # fmt: skip
-        acc += tl.dot(a, d, out_dtype=ACC_DTYPE)
     ptrs = acc_ptr + r * stride_acc_r + rm[:, None] * stride_acc_m + rn[None, :] * stride_acc_n
     mask = mask_m[:, None] & mask_n[None, :]
     acc += tl.load(ptrs, mask=mask, other=0.0).to(ACC_DTYPE)
@@ -150,50 +196,47 @@ def _scatter_mm_strided_kernel(
     others_ptr, stride_others_b, stride_others_k, stride_others_n,
     acc_ptr, stride_acc_b, stride_acc_m, stride_acc_n,
     c_indices_ptr, r_offsets_ptr, p_offsets_ptr, q_offsets_ptr,
-    Ms, Ks, N, Ns, SPLIT_N,
-    IS_COMPRESSED: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    R, Ms, Ks, N, Ns, SPLIT_N, M_TILES, N_TILES,
+    IS_COMPRESSED: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    i = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    rj = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # column inside the Ns-wide tile
-    mask_m, mask_k, mask_n = rm < Ms, rk < Ks, rj < Ns
-    r = tl.load(r_offsets_ptr + i)
+    outer, m_t, n_t = _split_pid(N_TILES, M_TILES)
+    b = outer // R
+    i = outer % R
+    rm = m_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    rj = n_t * BLOCK_N + tl.arange(0, BLOCK_N)  # column inside the Ns-wide tile
+    mask_m, mask_n = rm < Ms, rj < Ns
+    r = tl.load(r_offsets_ptr + i).to(tl.int64)
     r0 = r // N
     r1 = r % N
     if IS_COMPRESSED:
         m = r0 // Ms
         n = r1 // Ns
-        c0 = tl.load(c_indices_ptr + m)
-        c1 = tl.load(c_indices_ptr + m + 1)
+        c0 = tl.load(c_indices_ptr + m).to(tl.int64)
+        c1 = tl.load(c_indices_ptr + m + 1).to(tl.int64)
         q_base = n * c1 + (SPLIT_N - n) * c0
         g0 = c0
         g1 = c1
     else:
-        g0 = tl.load(c_indices_ptr + i)
-        g1 = tl.load(c_indices_ptr + i + 1)
+        g0 = tl.load(c_indices_ptr + i).to(tl.int64)
+        g1 = tl.load(c_indices_ptr + i + 1).to(tl.int64)
         q_base = g0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for g in range(g0, g1):
         if IS_COMPRESSED:
             p = g
         else:
-            p = tl.load(p_offsets_ptr + g)
-        q = tl.load(q_offsets_ptr + q_base + (g - g0))
+            p = tl.load(p_offsets_ptr + g).to(tl.int64)
+        q = tl.load(q_offsets_ptr + q_base + (g - g0)).to(tl.int64)
         q0 = q // N
         q1 = q % N
-        a = tl.load(
-            blocks_ptr + p * stride_blocks_p + rm[:, None] * stride_blocks_m + rk[None, :] * stride_blocks_k,
-            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+        acc = _block_product(
+            acc,
+            blocks_ptr + p * stride_blocks_p, stride_blocks_m, stride_blocks_k,
+            others_ptr + b * stride_others_b + q0 * stride_others_k + q1 * stride_others_n,
+            stride_others_k, stride_others_n,
+            rm, rj, mask_m, mask_n, Ks, ACC_DTYPE, PRECISION, BLOCK_K,
         )  # fmt: skip
-        d = tl.load(
-            others_ptr + b * stride_others_b + (q0 + rk)[:, None] * stride_others_k
-            + (q1 + rj)[None, :] * stride_others_n,
-            mask=mask_k[:, None] & mask_n[None, :], other=0.0,
-        )  # fmt: skip
-        acc += tl.dot(a, d, out_dtype=ACC_DTYPE)
     ptrs = acc_ptr + b * stride_acc_b + (r0 + rm)[:, None] * stride_acc_m + (r1 + rj)[None, :] * stride_acc_n
     mask = mask_m[:, None] & mask_n[None, :]
     acc += tl.load(ptrs, mask=mask, other=0.0).to(ACC_DTYPE)
@@ -210,18 +253,20 @@ def scatter_mm_into(
     """The three ``scatter_mm`` formats, accumulating into ``accumulators`` (3-D for the strided ones)."""
     fmt = indices_data[0]
     _, Ms, Ks = blocks.shape
-    acc_dtype = _ACC[accumulators.dtype]
+    common = {"ACC_DTYPE": _ACC[accumulators.dtype], "PRECISION": _precision(accumulators.dtype)}
+    launch = {"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]}
     if fmt == "scatter_mm":
         c_offsets, pq = indices_data[1:]
         R = c_offsets.numel() - 1
         Ns = others.shape[-1]
-        block_n = min(meta["BLOCK_N"], tile(Ns))
+        tiles = _tiles(meta, Ms, Ks, Ns)
+        m_tiles, n_tiles = triton.cdiv(Ms, tiles["BLOCK_M"]), triton.cdiv(Ns, tiles["BLOCK_N"])
         if R == 0:
             return
-        _scatter_mm_batches_kernel[(R, triton.cdiv(Ns, block_n))](
+        _scatter_mm_batches_kernel[(R * m_tiles * n_tiles,)](
             blocks, *blocks.stride(), others, *others.stride(), accumulators, *accumulators.stride(),
-            c_offsets, pq, pq.stride(0), pq.stride(1), Ms, Ks, Ns,
-            ACC_DTYPE=acc_dtype, BLOCK_M=tile(Ms), BLOCK_K=tile(Ks), BLOCK_N=block_n,
+            c_offsets, pq, pq.stride(0), pq.stride(1), Ms, Ks, Ns, m_tiles, n_tiles,
+            **common, **tiles, **launch,
         )  # fmt: skip
         return
     B, _, N = others.shape
@@ -233,12 +278,80 @@ def scatter_mm_into(
         p_offsets = q_offsets  # unused
     else:
         c_indices, r_offsets, p_offsets, q_offsets = indices_data[1:5]
-    if r_offsets.numel() == 0 or B == 0:
+    R = r_offsets.numel()
+    if R == 0 or B == 0:
         return
-    block_n = min(meta["BLOCK_N"], tile(Ns))
-    _scatter_mm_strided_kernel[(B, r_offsets.numel(), triton.cdiv(Ns, block_n))](
+    tiles = _tiles(meta, Ms, Ks, Ns)
+    m_tiles, n_tiles = triton.cdiv(Ms, tiles["BLOCK_M"]), triton.cdiv(Ns, tiles["BLOCK_N"])
+    _scatter_mm_strided_kernel[(B * R * m_tiles * n_tiles,)](
         blocks, *blocks.stride(), others, *others.stride(), accumulators, *accumulators.stride(),
-        c_indices, r_offsets, p_offsets, q_offsets, Ms, Ks, N, Ns, split_n,
-        IS_COMPRESSED=compressed, ACC_DTYPE=acc_dtype,
-        BLOCK_M=tile(Ms), BLOCK_K=tile(Ks), BLOCK_N=block_n,
+        c_indices, r_offsets, p_offsets, q_offsets, R, Ms, Ks, N, Ns, split_n, m_tiles, n_tiles,
+        IS_COMPRESSED=compressed, **common, **tiles, **launch,
     )  # fmt: skip
+
+
+@triton.jit
+def _sampled_kernel(
+    # SDDMM: out[b, g] = alpha * mat1[b, rows[b, g]-block, :] @ mat2[b, :, cols[b, g]-block]
+    rows_ptr, stride_rows_b, stride_rows_g,
+    cols_ptr, stride_cols_b, stride_cols_g,
+    mat1_ptr, stride_mat1_b, stride_mat1_m, stride_mat1_k,
+    mat2_ptr, stride_mat2_b, stride_mat2_k, stride_mat2_n,
+    out_ptr, stride_out_b, stride_out_g, stride_out_m, stride_out_n,
+    nnz, Ms, Ns, K, M_TILES, N_TILES, alpha: tl.float64,
+    ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    outer, m_t, n_t = _split_pid(N_TILES, M_TILES)
+    b = outer // nnz
+    g = outer % nnz
+    r = tl.load(rows_ptr + b * stride_rows_b + g * stride_rows_g).to(tl.int64)
+    c = tl.load(cols_ptr + b * stride_cols_b + g * stride_cols_g).to(tl.int64)
+    rm = m_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = n_t * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = rm < Ms, rn < Ns
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+    acc = _block_product(
+        acc,
+        mat1_ptr + b * stride_mat1_b + r * Ms * stride_mat1_m, stride_mat1_m, stride_mat1_k,
+        mat2_ptr + b * stride_mat2_b + c * Ns * stride_mat2_n, stride_mat2_k, stride_mat2_n,
+        rm, rn, mask_m, mask_n, K, ACC_DTYPE, PRECISION, BLOCK_K,
+    )  # fmt: skip
+    ptrs = (
+        out_ptr
+        + b * stride_out_b
+        + g * stride_out_g
+        + rm[:, None] * stride_out_m
+        + rn[None, :] * stride_out_n
+    )
+    result = (acc * alpha).to(ACC_DTYPE)  # alpha is float64: scale in float64, then round once
+    tl.store(ptrs, result.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def sampled_blocks(
+    rows: torch.Tensor,  # (B, nnz) block row of each block
+    cols: torch.Tensor,  # (B, nnz) block column of each block
+    Ms: int,
+    Ns: int,
+    mat1: torch.Tensor,  # (B, M, K)
+    mat2: torch.Tensor,  # (B, K, N)
+    alpha: float,
+    meta: dict[str, Any],
+) -> torch.Tensor:
+    """(B, nnz, Ms, Ns) in ``mat1``'s dtype: ``alpha * mat1[rows block] @ mat2[cols block]`` per block."""
+    B, nnz = rows.shape
+    K = mat1.shape[-1]
+    out = torch.empty((B, nnz, Ms, Ns), dtype=mat1.dtype, device=mat1.device)
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    tiles = _tiles(meta, Ms, K, Ns)
+    m_tiles, n_tiles = triton.cdiv(Ms, tiles["BLOCK_M"]), triton.cdiv(Ns, tiles["BLOCK_N"])
+    _sampled_kernel[(B * nnz * m_tiles * n_tiles,)](
+        rows, *rows.stride(), cols, *cols.stride(), mat1, *mat1.stride(), mat2, *mat2.stride(),
+        out, *out.stride(), nnz, Ms, Ns, K, m_tiles, n_tiles, float(alpha),
+        ACC_DTYPE=_ACC[mat1.dtype], PRECISION=_precision(mat1.dtype), **tiles,
+        num_warps=meta["num_warps"], num_stages=meta["num_stages"],
+    )  # fmt: skip
+    return out
