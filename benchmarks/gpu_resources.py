@@ -13,6 +13,7 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile, don't interpret (before triton is imported)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated to silence its notice
 
 import torch
 

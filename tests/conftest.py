@@ -8,3 +8,9 @@ os.environ["BSRKIT_TUNING_TABLE"] = str(Path(tempfile.mkdtemp(prefix="bsrkit-tes
 # Triton kernels run on CPU tensors in Triton's interpreter; it must be chosen before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+
+import torch
+
+# Every sparse tensor a test builds is validated (torch otherwise warns that checks are off); the
+# library's own constructions opt out explicitly, since their indices come from a validated tensor.
+torch.sparse.check_sparse_tensor_invariants.enable()

@@ -118,12 +118,13 @@ def test_tune_triton_parameters_in_the_interpreter(tmp_path, monkeypatch):
     table = tmp_path / "t.json"
     monkeypatch.setenv(tuning.TABLE_ENV, str(table))
     argv = ["tune", "--backend", "triton", "--shapes", "32x32x40", "--blocksizes", "8", "--block-n", "16,32"]
-    argv += ["--num-warps", "4", "--num-stages", "1", "--repeats", "1"]
+    argv += ["--block-k", "16,64", "--num-warps", "4", "--num-stages", "1", "--repeats", "1"]
     assert main(argv) == 0
     params = tuning.triton_meta(
         "bsr_dense_mm", torch.device("cpu"), torch.float32, (32, 32, 40), (8, 8), None
     )
     assert params["BLOCK_N"] in (16, 32) and params["num_warps"] == 4 and params["num_stages"] == 1
+    assert params["BLOCK_K"] == 16  # 64 clamps to the 8-wide blocks' padded extent, 16: one candidate
     entries = json.loads(table.read_text())["entries"]
     assert all(k.startswith("triton-interpreter|") for k in entries)
 

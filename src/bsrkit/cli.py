@@ -189,15 +189,20 @@ def _tune_shape(
     return best_t, best, timed({})  # meta={} means "the defaults", without a table lookup
 
 
-def _candidates(args: argparse.Namespace, N: int) -> list[dict[str, int]]:
-    """The search grid: CPU (panel x threads) or Triton (BLOCK_N x num_warps x num_stages)."""
+def _candidates(args: argparse.Namespace, N: int, Ks: int) -> list[dict[str, int]]:
+    """The search grid: CPU (panel x threads) or Triton (BLOCK_N x BLOCK_K x num_warps x num_stages).
+
+    Tile caps beyond the padded extent (``N`` columns, ``Ks`` inner) are clamped by the kernels, so
+    they are deduplicated here rather than timed twice."""
     if args.backend == "triton":
         from bsrkit.backends.triton.kernels import tile
 
         widths = sorted({min(w, tile(N)) for w in args.block_n})
+        chunks = sorted({min(k, tile(Ks)) for k in args.block_k})
         return [
-            {"BLOCK_N": w, "num_warps": nw, "num_stages": ns}
+            {"BLOCK_N": w, "BLOCK_K": k, "num_warps": nw, "num_stages": ns}
             for w in widths
+            for k in chunks
             for nw in args.num_warps
             for ns in args.num_stages
         ]
@@ -244,7 +249,7 @@ def _tune(args: argparse.Namespace) -> int:
         bsr = (torch.randn((M, K), generator=g) * full).to(dtype).to_sparse_bsr((Ms, Ks)).to(device)
         x = torch.randn((K, N), generator=g).to(dtype).to(device)
         out = torch.empty((M, N), dtype=dtype, device=device)
-        best_t, best, default = _tune_shape(bsr, x, out, _candidates(args, N), args.repeats)
+        best_t, best, default = _tune_shape(bsr, x, out, _candidates(args, N, Ks), args.repeats)
         chosen = " ".join(f"{k}={v}" for k, v in best.items())
         print(
             f"M,K,N={M},{K},{N} blocks {Ms}x{Ks}: best {chosen} "
@@ -333,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="cpu (default), or triton: the GPU kernels (on CPU tensors only under TRITON_INTERPRET=1)",
     )
     p.add_argument("--block-n", type=_parse_list(int), default=[32, 64, 128], help="Triton BLOCK_N values")
+    p.add_argument("--block-k", type=_parse_list(int), default=[16, 32], help="Triton BLOCK_K values")
     p.add_argument("--num-warps", type=_parse_list(int), default=[2, 4, 8], help="Triton num_warps values")
     p.add_argument("--num-stages", type=_parse_list(int), default=[1, 2, 3], help="Triton num_stages values")
     p.add_argument("--repeats", type=int, default=3)
