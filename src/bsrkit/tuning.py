@@ -253,7 +253,7 @@ def triton_meta(
     dtype (``bsrkit.backends.triton.resources``; table in docs/performance.md): 128 x 32 x 64 for half
     types, 128 x 16 x 64 for float32 and float64 (their IEEE ``tl.dot`` holds its operands in registers),
     8 warps for tiles of 128 x 64 outputs and more, else 4."""
-    from bsrkit.backends.triton.kernels import tile
+    from bsrkit.backends.triton.kernels import clamped_tiles
 
     half = dtype in (torch.float16, torch.bfloat16)
     result = {"BLOCK_M": 128, "BLOCK_K": 32 if half else 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
@@ -280,7 +280,8 @@ def triton_meta(
     if "num_warps" not in source:
         # The output tile one program computes: rows of a block by columns of N (of a block for SDDMM).
         cols = blocksize[1] if op == "sampled_addmm" else shape[2]
-        outputs = min(result["BLOCK_M"], tile(blocksize[0])) * min(result["BLOCK_N"], tile(cols))
+        tiles = clamped_tiles(result, blocksize[0], blocksize[1], cols)
+        outputs = tiles["BLOCK_M"] * tiles["BLOCK_N"]
         result["num_warps"] = 8 if outputs >= 128 * 64 else 4
     return result
 

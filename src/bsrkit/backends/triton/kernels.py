@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["bsr_dense_addmm", "sampled_blocks", "scatter_mm_into", "tile"]
+__all__ = ["bsr_dense_addmm", "clamped_tiles", "sampled_blocks", "scatter_mm_into", "tile"]
 
 _ACC = {
     torch.float16: tl.float32,
@@ -46,7 +46,7 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
-def _tiles(meta: dict[str, Any], rows: int, inner: int, cols: int) -> dict[str, int]:
+def clamped_tiles(meta: dict[str, Any], rows: int, inner: int, cols: int) -> dict[str, int]:
     """Tile constexprs for an (rows x inner) @ (inner x cols) block product: meta's caps, clamped to the
     padded extents so a small block is one tile."""
     return {
@@ -54,6 +54,23 @@ def _tiles(meta: dict[str, Any], rows: int, inner: int, cols: int) -> dict[str, 
         "BLOCK_K": min(meta["BLOCK_K"], tile(inner)),
         "BLOCK_N": min(meta["BLOCK_N"], tile(cols)),
     }
+
+
+def _launch(
+    meta: dict[str, Any], dtype: torch.dtype, rows: int, inner: int, cols: int
+) -> tuple[dict[str, Any], int, int]:
+    """What every launch passes, for (rows x inner) @ (inner x cols) block products in ``dtype``: the
+    keyword arguments (tiles, accumulator, dot precision, warps, stages), then the number of row tiles
+    and column tiles that cover one output block."""
+    tiles = clamped_tiles(meta, rows, inner, cols)
+    kwargs = {
+        **tiles,
+        "ACC_DTYPE": _ACC[dtype],
+        "PRECISION": _precision(dtype),
+        "num_warps": meta["num_warps"],
+        "num_stages": meta["num_stages"],
+    }
+    return kwargs, triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(cols, tiles["BLOCK_N"])
 
 
 @triton.jit
@@ -141,8 +158,7 @@ def bsr_dense_addmm(
     """``out (+)= alpha * bsr @ dense`` on batch-flattened operands (``overwrite``: ``=``, else ``+=``)."""
     B, M, N = out.shape
     Ms, Ks = values.shape[-2:]
-    tiles = _tiles(meta, Ms, Ks, N)
-    m_tiles, n_tiles = triton.cdiv(Ms, tiles["BLOCK_M"]), triton.cdiv(N, tiles["BLOCK_N"])
+    launch, m_tiles, n_tiles = _launch(meta, out.dtype, Ms, Ks, N)
     grid = (B * (M // Ms) * m_tiles * n_tiles,)
     _bsr_dense_addmm_kernel[grid](
         crow, crow.stride(0), crow.stride(1),
@@ -150,9 +166,7 @@ def bsr_dense_addmm(
         values, values.stride(0), values.stride(1), values.stride(2), values.stride(3),
         dense, dense.stride(0), dense.stride(1), dense.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
-        M // Ms, Ms, Ks, N, m_tiles, n_tiles, float(alpha),
-        OVERWRITE=overwrite, ACC_DTYPE=_ACC[out.dtype], PRECISION=_precision(out.dtype), **tiles,
-        num_warps=meta["num_warps"], num_stages=meta["num_stages"],
+        M // Ms, Ms, Ks, N, m_tiles, n_tiles, float(alpha), OVERWRITE=overwrite, **launch,
     )  # fmt: skip
 
 
@@ -253,20 +267,16 @@ def scatter_mm_into(
     """The three ``scatter_mm`` formats, accumulating into ``accumulators`` (3-D for the strided ones)."""
     fmt = indices_data[0]
     _, Ms, Ks = blocks.shape
-    common = {"ACC_DTYPE": _ACC[accumulators.dtype], "PRECISION": _precision(accumulators.dtype)}
-    launch = {"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]}
     if fmt == "scatter_mm":
         c_offsets, pq = indices_data[1:]
         R = c_offsets.numel() - 1
-        Ns = others.shape[-1]
-        tiles = _tiles(meta, Ms, Ks, Ns)
-        m_tiles, n_tiles = triton.cdiv(Ms, tiles["BLOCK_M"]), triton.cdiv(Ns, tiles["BLOCK_N"])
         if R == 0:
             return
+        Ns = others.shape[-1]
+        launch, m_tiles, n_tiles = _launch(meta, accumulators.dtype, Ms, Ks, Ns)
         _scatter_mm_batches_kernel[(R * m_tiles * n_tiles,)](
             blocks, *blocks.stride(), others, *others.stride(), accumulators, *accumulators.stride(),
-            c_offsets, pq, pq.stride(0), pq.stride(1), Ms, Ks, Ns, m_tiles, n_tiles,
-            **common, **tiles, **launch,
+            c_offsets, pq, pq.stride(0), pq.stride(1), Ms, Ks, Ns, m_tiles, n_tiles, **launch,
         )  # fmt: skip
         return
     B, _, N = others.shape
@@ -281,12 +291,11 @@ def scatter_mm_into(
     R = r_offsets.numel()
     if R == 0 or B == 0:
         return
-    tiles = _tiles(meta, Ms, Ks, Ns)
-    m_tiles, n_tiles = triton.cdiv(Ms, tiles["BLOCK_M"]), triton.cdiv(Ns, tiles["BLOCK_N"])
+    launch, m_tiles, n_tiles = _launch(meta, accumulators.dtype, Ms, Ks, Ns)
     _scatter_mm_strided_kernel[(B * R * m_tiles * n_tiles,)](
         blocks, *blocks.stride(), others, *others.stride(), accumulators, *accumulators.stride(),
         c_indices, r_offsets, p_offsets, q_offsets, R, Ms, Ks, N, Ns, split_n, m_tiles, n_tiles,
-        IS_COMPRESSED=compressed, **common, **tiles, **launch,
+        IS_COMPRESSED=compressed, **launch,
     )  # fmt: skip
 
 
@@ -346,12 +355,9 @@ def sampled_blocks(
         return out
     if K == 0:
         return out.zero_()
-    tiles = _tiles(meta, Ms, K, Ns)
-    m_tiles, n_tiles = triton.cdiv(Ms, tiles["BLOCK_M"]), triton.cdiv(Ns, tiles["BLOCK_N"])
+    launch, m_tiles, n_tiles = _launch(meta, mat1.dtype, Ms, K, Ns)
     _sampled_kernel[(B * nnz * m_tiles * n_tiles,)](
         rows, *rows.stride(), cols, *cols.stride(), mat1, *mat1.stride(), mat2, *mat2.stride(),
-        out, *out.stride(), nnz, Ms, Ns, K, m_tiles, n_tiles, float(alpha),
-        ACC_DTYPE=_ACC[mat1.dtype], PRECISION=_precision(mat1.dtype), **tiles,
-        num_warps=meta["num_warps"], num_stages=meta["num_stages"],
+        out, *out.stride(), nnz, Ms, Ns, K, m_tiles, n_tiles, float(alpha), **launch,
     )  # fmt: skip
     return out

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -84,9 +83,8 @@ def kernel_resources(
     ``constexprs`` sets the kernel's remaining constexpr flags (defaults: ``OVERWRITE=True``,
     ``IS_COMPRESSED=True``)."""
     fn = KERNELS[kernel]
-    acc = tl.float64 if dtype == torch.float64 else tl.float32
     values: dict[str, Any] = {
-        "ACC_DTYPE": acc,
+        "ACC_DTYPE": kernels._ACC[dtype],
         "PRECISION": kernels._precision(dtype),
         "BLOCK_M": BLOCK_M,
         "BLOCK_K": BLOCK_K,
@@ -138,7 +136,7 @@ def default_resources(
     meta = tuning.triton_meta(op, torch.device("cpu"), dtype, (n, n, n), (blocksize, blocksize), {})
     inner = n if kernel == "sampled_addmm" else blocksize
     cols = blocksize if kernel == "sampled_addmm" else n
-    tiles = kernels._tiles(meta, blocksize, inner, cols)
+    tiles = kernels.clamped_tiles(meta, blocksize, inner, cols)
     return kernel_resources(
         kernel,
         dtype,
