@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bsrkit.backends.blas import mkl_functions
+from bsrkit.backends.cpu.blas import mkl_functions
 
 __all__ = ["KIND_BF16", "KIND_F16", "KIND_F32", "KIND_F64", "blas_layout", "bsr_mm_kernel"]
 
