@@ -100,8 +100,8 @@ def test_tune_writes_a_table_that_products_use(tmp_path, monkeypatch):
     assert params == {"panel": 48, "nthreads": 1}
     # Products run with the tuned parameters (and stay correct).
     seen = []
-    real = tuning.cpu_mm_meta
-    monkeypatch.setattr(tuning, "cpu_mm_meta", lambda *a: seen.append(real(*a)) or seen[-1])
+    real = tuning.resolve  # what every product calls for its parameters
+    monkeypatch.setattr(tuning, "resolve", lambda *a: seen.append(real(*a)) or seen[-1])
     bsr = random_bsr((64, 64), (16, 16), 0.5)
     x = torch.randn(64, 64)
     torch.testing.assert_close(bsrkit.bsr_dense_mm(bsr, x), bsr.to_dense() @ x)

@@ -15,11 +15,15 @@ on torch 2.13), so make the values the leaf: ``bsr = torch.sparse_bsr_tensor(cro
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bsrkit import ops
+from bsrkit import dispatch
+from bsrkit.operand import Operand
+
+if TYPE_CHECKING:
+    from bsrkit.backends.base import Backend
 
 __all__ = ["BsrDenseAddmm"]
 
@@ -36,23 +40,31 @@ def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 class BsrDenseAddmm(torch.autograd.Function):
-    """``beta * input + alpha * bsr @ dense`` (``input`` may be None) with gradients for all three."""
+    """``beta * input + alpha * bsr @ dense`` (``input`` may be None) with gradients for all three.
+
+    Called by :mod:`bsrkit.ops` with validated arguments: ``a`` is ``bsr``'s operand (None when nothing
+    is stored) and ``batch`` the broadcast batch shape.
+    """
 
     @staticmethod
     def forward(
         ctx: Any,
         op: str,
+        backend: Backend,
         input: torch.Tensor | None,
         bsr: torch.Tensor,
         dense: torch.Tensor,
+        a: Operand | None,
+        batch: torch.Size,
         beta: float,
         alpha: float,
         meta: dict[str, Any] | None,
     ) -> torch.Tensor:
-        out = ops._addmm(op, input, bsr, dense, beta=beta, alpha=alpha, out=None, meta=meta)
+        out = torch.empty((*batch, bsr.shape[-2], dense.shape[-1]), dtype=dense.dtype, device=dense.device)
+        dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta)
         ctx.bsr = bsr.detach()
         ctx.save_for_backward(dense)
-        ctx.scalars = (float(beta), float(alpha))
+        ctx.scalars = (beta, alpha)
         ctx.input_shape = None if input is None else input.shape
         return out
 
@@ -62,19 +74,25 @@ class BsrDenseAddmm(torch.autograd.Function):
         (dense,) = ctx.saved_tensors
         bsr = ctx.bsr
         beta, alpha = ctx.scalars
+        batch = grad.shape[:-2]
         grad_input = grad_bsr = grad_dense = None
-        if ctx.needs_input_grad[1] and ctx.input_shape is not None:
+        if ctx.needs_input_grad[2] and ctx.input_shape is not None:
             grad_input = _sum_to(grad * beta, ctx.input_shape)
-        if ctx.needs_input_grad[2]:
-            batch = grad.shape[:-2]
-            values = ops.sampled_values(ops.Operand.of(bsr), grad, dense.mT, batch, alpha)
+        if ctx.needs_input_grad[3]:
+            # dA = alpha (G X^T)|P: an SDDMM on bsr's own pattern.
+            backend = dispatch.select("sampled_addmm", "sampled", grad.device, grad.dtype)
+            values = dispatch.sampled("sampled_addmm", backend, Operand.of(bsr), grad, dense.mT, batch, alpha)
             values = _sum_to(values, bsr.values().shape)
             grad_bsr = torch.sparse_bsr_tensor(
                 bsr.crow_indices(), bsr.col_indices(), values, size=bsr.shape, check_invariants=False
             )
-        if ctx.needs_input_grad[3]:
-            g = ops.bsr_transposed_dense_mm(bsr, grad)
-            if alpha != 1:
-                g = g * alpha
+        if ctx.needs_input_grad[4]:
+            # dX = alpha A^T G: the transposed product over the cached transpose plan.
+            op = "bsr_transposed_dense_mm"
+            backend = dispatch.select(op, "addmm", grad.device, grad.dtype)
+            M, K = bsr.shape[-2:]
+            out = torch.empty((*batch, K, grad.shape[-1]), dtype=grad.dtype, device=grad.device)
+            a = Operand.of(bsr).transposed() if bsr._nnz() and M and alpha and out.numel() else None
+            g = dispatch.addmm(op, backend, None, a, grad, out, batch, 0.0, alpha, None)
             grad_dense = _sum_to(g, dense.shape)
-        return None, grad_input, grad_bsr, grad_dense, None, None, None
+        return None, None, grad_input, grad_bsr, grad_dense, None, None, None, None, None

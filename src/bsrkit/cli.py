@@ -195,7 +195,7 @@ def _candidates(args: argparse.Namespace, N: int, Ks: int) -> list[dict[str, int
     Tile caps beyond the padded extent (``N`` columns, ``Ks`` inner) are clamped by the kernels, so
     they are deduplicated here rather than timed twice."""
     if args.backend == "triton":
-        from bsrkit.backends.triton.kernels import tile
+        from bsrkit.backends.triton.tiles import tile
 
         widths = sorted({min(w, tile(N)) for w in args.block_n})
         chunks = sorted({min(k, tile(Ks)) for k in args.block_k})

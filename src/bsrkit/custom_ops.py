@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from bsrkit import ops
+from bsrkit import dispatch
+from bsrkit.operand import Operand
 
 __all__ = ["bsr_mm", "sampled_mm"]
 
@@ -28,17 +29,13 @@ def bsr_mm(
     transposed: bool,
 ) -> torch.Tensor:
     """``A @ dense`` (or ``A.mT @ dense``) for the 2-D BSR ``A = (crow, col, values)`` of shape (M, K)."""
-    a = ops.Operand(crow, col, values, M, K, (crow, col))
-    if transposed:
-        a = a.transposed()
-    out = torch.empty((a.M, dense.shape[-1]), dtype=dense.dtype, device=dense.device)
-    if out.numel() == 0:
-        return out
-    if a.nnz == 0 or a.K == 0:
-        return out.zero_()
-    backend = ops.select_backend("bsr_mm", dense.device, dense.dtype)
-    ops.run_product("bsr_dense_mm", backend, a, dense, out, torch.Size(), 1.0, True, None)
-    return out
+    out = torch.empty((K if transposed else M, dense.shape[-1]), dtype=dense.dtype, device=dense.device)
+    a = None  # no operand (and no plan) when nothing is stored
+    if values.shape[0] and M and K and out.numel():
+        a = Operand(crow, col, values, M, K, (crow, col))
+        a = a.transposed() if transposed else a
+    backend = dispatch.select("bsr_mm", "addmm", dense.device, dense.dtype)
+    return dispatch.addmm("bsr_dense_mm", backend, None, a, dense, out, torch.Size(), 0.0, 1.0, None)
 
 
 @bsr_mm.register_fake
@@ -53,8 +50,9 @@ def sampled_mm(
     """Values ``(nnz, Ms, Ns)`` of ``mat1 @ mat2`` at the blocks of the pattern ``(crow, col)``."""
     nnz = col.shape[-1]
     shape_only = mat1.new_empty(()).expand(nnz, Ms, Ns)  # values are not read: only their shape
-    a = ops.Operand(crow, col, shape_only, mat1.shape[-2], mat2.shape[-1], (crow, col))
-    return ops.sampled_values(a, mat1, mat2, torch.Size(), 1.0)
+    a = Operand(crow, col, shape_only, mat1.shape[-2], mat2.shape[-1], (crow, col))
+    backend = dispatch.select("sampled_mm", "sampled", mat1.device, mat1.dtype)
+    return dispatch.sampled("sampled_addmm", backend, a, mat1, mat2, torch.Size(), 1.0)
 
 
 @sampled_mm.register_fake

@@ -50,7 +50,7 @@ class TransposePlan(NamedTuple):
 
 
 # A plan's *source* is what its entry lives with: a BSR tensor (public ops) or its TensorKey (built once
-# per call by ``ops.Operand.of``), or a (crow_indices, col_indices) pair of long-lived tensors
+# per call by ``Operand.of``), or a (crow_indices, col_indices) pair of long-lived tensors
 # (BSRLinear's buffers, the custom ops under torch.compile).
 Source = Any
 

@@ -16,7 +16,6 @@ import functools
 import json
 import math
 import os
-import platform
 import tempfile
 import threading
 import time
@@ -26,6 +25,9 @@ from typing import Any
 
 import torch
 
+from bsrkit.backends import BACKENDS, Backend
+from bsrkit.backends.cpu.backend import cpu_device_name
+
 __all__ = [
     "TABLE_ENV",
     "TuningWarning",
@@ -34,6 +36,7 @@ __all__ = [
     "default_table_path",
     "load_table",
     "lookup",
+    "resolve",
     "save_entries",
     "scatter_mm_meta",
     "table_key",
@@ -62,25 +65,6 @@ def default_table_path() -> Path:
 
         _USER_TABLE.append(Path(platformdirs.user_cache_dir("bsrkit")) / "tuning.json")
     return _USER_TABLE[0]
-
-
-_CPU_NAME: list[str] = []
-
-
-def cpu_device_name() -> str:
-    """A stable name for this CPU model (the tuning table's device key)."""
-    if not _CPU_NAME:
-        name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        name = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            pass
-        _CPU_NAME.append(f"cpu:{name}")
-    return _CPU_NAME[0]
 
 
 @functools.lru_cache(maxsize=4096)  # looked up on every product call: format each key once
@@ -165,9 +149,10 @@ def lookup(
     shape: tuple[int, int, int],
     blocksize: tuple[int, int],
     device_name: str | None = None,
+    tune_flag: str = "",
 ) -> dict[str, Any] | None:
     """Tuned parameters for this shape on ``device_name`` (default: this CPU), or None after a one-time
-    warning naming ``bsrkit tune``."""
+    warning naming the ``bsrkit tune`` command (with ``tune_flag``, e.g. ``"--backend triton "``)."""
     key = table_key(device_name or cpu_device_name(), op, dtype, shape, blocksize)
     found = load_table().get(key)
     if found is None and "fallback" not in _warned:  # (checked first: the message costs ~2 µs to format)
@@ -176,23 +161,55 @@ def lookup(
             "fallback",
             f"bsrkit: no tuned parameters for {op} {str(dtype).removeprefix('torch.')} "
             f"M,K,N={M},{K},{N} blocksize {blocksize[0]}x{blocksize[1]} on {device_name or 'this CPU'}; "
-            "using defaults. "
-            + (
-                f"Run `bsrkit tune --shapes {M}x{K}x{N} --blocksizes {blocksize[0]}x{blocksize[1]}` to tune "
-                if device_name is None
-                else f"Run `bsrkit tune --backend triton --shapes {M}x{K}x{N} "
-                f"--blocksizes {blocksize[0]}x{blocksize[1]}` to tune "
-            )
-            + "(this warning is shown once per process).",
+            f"using defaults. Run `bsrkit tune {tune_flag}--shapes {M}x{K}x{N} "
+            f"--blocksizes {blocksize[0]}x{blocksize[1]}` to tune (this warning is shown once per process).",
         )
     return found
 
 
-# Output panel width (columns) per gemm call. Measured (docs/performance.md): 128-512 are within noise
-# of each other at n = 2048-4096; 256 keeps a (K x 256) float32 dense panel of a 32-wide block column
-# in L2 and gives each gemm enough columns to amortise its call.
-_DEFAULT_PANEL = 256
-_CPU_KEYS = frozenset({"panel", "nthreads"})
+def resolve(
+    backend: Backend,
+    op: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    blocksize: tuple[int, int],
+    meta: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The launch parameters of ``op`` on ``backend`` at ``shape = (M, K, N)``: ``meta`` wins (``{}``
+    means the defaults); without it, the tuning table's entry for this shape and device; then the
+    backend's defaults (:meth:`~bsrkit.backends.base.Backend.complete_params`). ``meta`` is checked
+    against the backend's :attr:`~bsrkit.backends.base.Backend.param_schema`; a backend without
+    parameters ignores it."""
+    schema = backend.param_schema
+    if not schema:
+        return {}
+    if meta is None:
+        name = backend.tuning_device(device)
+        tuned = lookup(op, dtype, shape, blocksize, name, backend.tune_flag) or {}
+        chosen = {k: v for k, v in tuned.items() if k in schema}
+        bad = [(k, v) for k, v in chosen.items() if not schema[k].check(v)]
+        if bad:  # a hand-edited or corrupt entry: warned about once, then ignored
+            key = table_key(name, op, dtype, shape, blocksize)
+            k, v = bad[0]
+            _warn_once(
+                f"entry:{key}",
+                f"bsrkit: ignoring entry {key!r} of tuning table {default_table_path()}: expected {k!r} "
+                f"to be {schema[k].expected}, got {v!r}",
+            )
+            chosen = {}
+    else:
+        unknown = set(meta) - set(schema)
+        if unknown:
+            raise ValueError(
+                f"{op}(): expected meta keys among {sorted(schema)} for the {backend.display_name} backend, "
+                f"got unknown {sorted(unknown)}"
+            )
+        for k, v in meta.items():
+            if not schema[k].check(v):
+                raise ValueError(f"{op}(): expected meta[{k!r}] to be {schema[k].expected}, got {v!r}")
+        chosen = dict(meta)
+    return backend.complete_params(op, dtype, shape, blocksize, chosen)
 
 
 def cpu_mm_meta(
@@ -201,39 +218,13 @@ def cpu_mm_meta(
     shape: tuple[int, int, int],
     blocksize: tuple[int, int],
     meta: dict[str, Any] | None,
-) -> dict[str, int]:
-    """Parameters of the CPU kernel: ``panel`` (columns per gemm) and ``nthreads`` (worker threads).
-
-    ``meta`` wins; otherwise the tuning table's entry for this shape; otherwise the defaults.
-    """
-    result = {"panel": _DEFAULT_PANEL, "nthreads": max(1, torch.get_num_threads())}
-    if meta is None:
-        tuned = lookup(op, dtype, shape, blocksize)
-        if tuned:
-            result.update({k: int(v) for k, v in tuned.items() if k in _CPU_KEYS and int(v) >= 1})
-    elif meta:
-        unknown = set(meta) - _CPU_KEYS
-        if unknown:
-            raise ValueError(
-                f"{op}(): expected meta keys among {sorted(_CPU_KEYS)} for the CPU backend, "
-                f"got unknown {sorted(unknown)}"
-            )
-        for name, value in meta.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{op}(): expected meta[{name!r}] to be an int >= 1, got {value!r}")
-        result.update(meta)
-    result["panel"] = min(result["panel"], max(shape[2], 1))
-    return result
-
-
-_TRITON_KEYS = frozenset({"BLOCK_M", "BLOCK_K", "BLOCK_N", "num_warps", "num_stages"})
-_TRITON_TILES = ("BLOCK_M", "BLOCK_K", "BLOCK_N")
+) -> dict[str, Any]:
+    """:func:`resolve` for the CPU backend: ``panel`` (columns per gemm) and ``nthreads``."""
+    return resolve(BACKENDS["cpu"], op, torch.device("cpu"), dtype, shape, blocksize, meta)
 
 
 def triton_device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    return "triton-interpreter"
+    return BACKENDS["triton"].tuning_device(device)
 
 
 def triton_meta(
@@ -243,47 +234,10 @@ def triton_meta(
     shape: tuple[int, int, int],
     blocksize: tuple[int, int],
     meta: dict[str, Any] | None,
-) -> dict[str, int]:
-    """Triton launch parameters: the tile caps ``BLOCK_M`` (rows of a block per program), ``BLOCK_K``
-    (inner-dimension chunk), ``BLOCK_N`` (output columns per program), each a power of two >= 16 that the
-    kernels clamp to the padded extent; ``num_warps``; ``num_stages``. ``meta`` wins; then the tuning table
-    for this GPU; then the defaults.
-
-    The defaults are the largest tiles whose kernels compile for sm_90 without register spills in every
-    dtype (``bsrkit.backends.triton.resources``; table in docs/performance.md): 128 x 32 x 64 for half
-    types, 128 x 16 x 64 for float32 and float64 (their IEEE ``tl.dot`` holds its operands in registers),
-    8 warps for tiles of 128 x 64 outputs and more, else 4."""
-    from bsrkit.backends.triton.kernels import clamped_tiles
-
-    half = dtype in (torch.float16, torch.bfloat16)
-    result = {"BLOCK_M": 128, "BLOCK_K": 32 if half else 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    source = meta
-    if meta is None:
-        source = lookup(op, dtype, shape, blocksize, triton_device_name(device)) or {}
-    assert source is not None
-    unknown = set(source) - _TRITON_KEYS - {"seconds", "density"}
-    if meta is not None and unknown:
-        raise ValueError(
-            f"{op}(): expected meta keys among {sorted(_TRITON_KEYS)} for the Triton backend, "
-            f"got unknown {sorted(unknown)}"
-        )
-    for name in _TRITON_KEYS & set(source):
-        value = source[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{op}(): expected meta[{name!r}] to be an int >= 1, got {value!r}")
-        result[name] = value
-    for name in _TRITON_TILES:
-        if result[name] < 16 or result[name] & (result[name] - 1):
-            raise ValueError(
-                f"{op}(): expected meta[{name!r}] to be a power of two >= 16, got {result[name]}"
-            )
-    if "num_warps" not in source:
-        # The output tile one program computes: rows of a block by columns of N (of a block for SDDMM).
-        cols = blocksize[1] if op == "sampled_addmm" else shape[2]
-        tiles = clamped_tiles(result, blocksize[0], blocksize[1], cols)
-        outputs = tiles["BLOCK_M"] * tiles["BLOCK_N"]
-        result["num_warps"] = 8 if outputs >= 128 * 64 else 4
-    return result
+) -> dict[str, Any]:
+    """:func:`resolve` for the Triton backend (tiles, warps and stages; see
+    :meth:`bsrkit.backends.triton.TritonBackend.complete_params`)."""
+    return resolve(BACKENDS["triton"], op, device, dtype, shape, blocksize, meta)
 
 
 # SPLIT_N by N, as in torch.sparse._triton_ops.scatter_mm_meta, so indices data are interchangeable.

@@ -1,16 +1,25 @@
 """Device-agnostic kernels built from torch primitives (batched gemm + index_add), no Python per block.
 
-Used for ``scatter_mm`` on every device, and for the BSR products where the MKL CPU kernel is not
-available (non-MKL builds, non-CPU devices until the Triton backend lands, or ``BSRKIT_BACKEND=torch``).
-Work is chunked so that gathered operands stay within ``_CHUNK_ELEMENTS`` elements.
-Half types are computed in float32.
+The portable fallback (:class:`TorchBackend`): it runs every kernel on any device, and is chosen where
+no compiled backend can run (non-MKL CPU builds, CUDA without triton) or with ``BSRKIT_BACKEND=torch``.
+It also runs ``scatter_mm`` for the CPU backend. Work is chunked so that gathered operands stay within
+``_CHUNK_ELEMENTS`` elements. Half types are computed in float32.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
 import torch
 
-__all__ = ["accumulate_dtype", "bsr_mm_into", "sampled_blocks", "scatter_mm_into"]
+from bsrkit.backends.base import ParamSpec
+from bsrkit.backends.batching import block_coordinates, flatten_addmm, flatten_strided_scatter
+
+if TYPE_CHECKING:
+    from bsrkit.operand import Operand
+
+__all__ = ["TorchBackend", "accumulate_dtype", "bsr_mm_into", "sampled_blocks", "scatter_mm_into"]
 
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -78,7 +87,8 @@ def _gather_products(
 def scatter_mm_into(
     blocks: torch.Tensor, others: torch.Tensor, indices_data: tuple, accumulators: torch.Tensor
 ) -> None:
-    """The three formats of ``scatter_mm`` (semantics in ``bsrkit.ops.scatter_mm``), accumulating."""
+    """The three formats of ``scatter_mm`` (semantics in ``bsrkit.ops.scatter_mm``), accumulating; for
+    the ``bsr_strided_mm*`` formats ``others`` and ``accumulators`` are 3-D."""
     fmt = indices_data[0]
     acc_dtype = accumulate_dtype(accumulators.dtype)
     device = blocks.device
@@ -157,3 +167,73 @@ def sampled_blocks(
             prod.mul_(alpha)
         out[:, g0:g1] = prod
     return out
+
+
+class TorchBackend:
+    """Torch primitives on any device: batched gemms over gathered blocks, ``index_add`` to scatter."""
+
+    name = "torch"
+    display_name = "torch"
+    param_schema: ClassVar[Mapping[str, ParamSpec]] = {}  # nothing to tune: ``meta=`` is ignored
+    tune_flag = ""
+    auto_devices: ClassVar[frozenset[str] | None] = None  # any device: the fallback
+
+    def not_supported_reasons(self, kernel: str, device: torch.device, dtype: torch.dtype) -> list[str]:
+        return []
+
+    def tuning_device(self, device: torch.device) -> str:
+        return str(device)
+
+    def complete_params(
+        self,
+        op: str,
+        dtype: torch.dtype,
+        shape: tuple[int, int, int],
+        blocksize: tuple[int, int],
+        chosen: dict[str, Any],
+    ) -> dict[str, Any]:
+        return {}
+
+    def addmm(
+        self,
+        a: Operand,
+        dense: torch.Tensor,
+        out: torch.Tensor,
+        batch: torch.Size,
+        alpha: float,
+        overwrite: bool,
+        params: dict[str, Any],
+    ) -> None:
+        crow, col, values, dense3, out3, copied = flatten_addmm(a, dense, out, batch)
+        bsr_mm_into(crow, col, values, dense3, out3, alpha, overwrite)
+        if copied:
+            out.copy_(out3.view(out.shape))
+
+    def sampled(
+        self,
+        a: Operand,
+        mat1: torch.Tensor,
+        mat2: torch.Tensor,
+        batch: torch.Size,
+        alpha: float,
+        params: dict[str, Any],
+    ) -> torch.Tensor:
+        rows, cols = block_coordinates(a, batch)
+        Ms, Ns = a.values.shape[-2:]
+        return sampled_blocks(rows, cols, Ms, Ns, mat1, mat2, batch, alpha)
+
+    def scatter_mm(
+        self,
+        blocks: torch.Tensor,
+        others: torch.Tensor,
+        indices_data: tuple[Any, ...],
+        accumulators: torch.Tensor,
+        params: dict[str, Any],
+    ) -> None:
+        if indices_data[0] == "scatter_mm":
+            scatter_mm_into(blocks, others, indices_data, accumulators)
+            return
+        others3, acc3, copied = flatten_strided_scatter(others, accumulators)
+        scatter_mm_into(blocks, others3, indices_data, acc3)
+        if copied:
+            accumulators.copy_(acc3.view(accumulators.shape))

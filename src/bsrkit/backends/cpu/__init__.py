@@ -1,5 +1,10 @@
-"""CPU backend: compiled (numba) loops calling the BLAS gemm that torch links."""
+"""CPU backend: compiled (numba) loops calling the BLAS gemm that torch links.
 
-from bsrkit.backends.cpu.kernels import blas_layout, bsr_mm_kernel, sampled_kernel
+``kernels`` holds the compiled loops and ``blas`` the BLAS entry points; ``backend`` marshals validated
+tensors into the loops' arguments. Importing this package imports neither numba nor the kernels' code
+generation: the loops compile on first use.
+"""
 
-__all__ = ["blas_layout", "bsr_mm_kernel", "sampled_kernel"]
+from bsrkit.backends.cpu.backend import CpuBackend
+
+__all__ = ["CpuBackend"]

@@ -11,8 +11,19 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
-__all__ = ["available", "interpreting"]
+import torch
+
+from bsrkit.backends.base import ParamSpec, int_at_least_one, power_of_two_at_least_16
+from bsrkit.backends.batching import block_coordinates, flatten_addmm, flatten_strided_scatter
+from bsrkit.backends.triton.tiles import clamped_tiles
+
+if TYPE_CHECKING:
+    from bsrkit.operand import Operand
+
+__all__ = ["TritonBackend", "available", "interpreting"]
 
 
 @functools.cache
@@ -23,3 +34,122 @@ def available() -> bool:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonBackend:
+    """Triton kernels: one program per (batch, block row, row tile, column tile) of the output."""
+
+    name = "triton"
+    display_name = "Triton"
+    param_schema: ClassVar[Mapping[str, ParamSpec]] = {
+        "BLOCK_M": power_of_two_at_least_16,
+        "BLOCK_K": power_of_two_at_least_16,
+        "BLOCK_N": power_of_two_at_least_16,
+        "num_warps": int_at_least_one,
+        "num_stages": int_at_least_one,
+    }
+    tune_flag = "--backend triton "
+    auto_devices: ClassVar[frozenset[str] | None] = frozenset(
+        {"cuda"}
+    )  # CPU tensors only when forced, in the interpreter
+
+    def not_supported_reasons(self, kernel: str, device: torch.device, dtype: torch.dtype) -> list[str]:
+        if not available():
+            return ["needs the triton package (bsrkit[triton])"]
+        if device.type == "cpu" and not interpreting():
+            return ["on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)"]
+        if device.type not in ("cpu", "cuda"):
+            return [f"needs CUDA tensors, got device {device}"]
+        return []
+
+    def tuning_device(self, device: torch.device) -> str:
+        if device.type == "cuda":
+            return f"cuda:{torch.cuda.get_device_name(device)}"
+        return "triton-interpreter"
+
+    def complete_params(
+        self,
+        op: str,
+        dtype: torch.dtype,
+        shape: tuple[int, int, int],
+        blocksize: tuple[int, int],
+        chosen: dict[str, Any],
+    ) -> dict[str, Any]:
+        """The tile caps ``BLOCK_M`` (rows of a block per program), ``BLOCK_K`` (inner-dimension chunk),
+        ``BLOCK_N`` (output columns per program), which the kernels clamp to the padded extent;
+        ``num_warps``; ``num_stages``.
+
+        The defaults are the largest tiles whose kernels compile for sm_90 without register spills in
+        every dtype (``bsrkit.backends.triton.resources``; table in docs/performance.md): 128 x 32 x 64
+        for half types, 128 x 16 x 64 for float32 and float64 (their IEEE ``tl.dot`` holds its operands in
+        registers), 8 warps for tiles of 128 x 64 outputs and more, else 4."""
+        half = dtype in (torch.float16, torch.bfloat16)
+        params = {
+            "BLOCK_M": 128,
+            "BLOCK_K": 32 if half else 16,
+            "BLOCK_N": 64,
+            "num_warps": 4,
+            "num_stages": 2,
+        }
+        params.update(chosen)
+        if "num_warps" not in chosen:
+            # The output tile one program computes: rows of a block by columns of N (of a block for SDDMM).
+            cols = blocksize[1] if op == "sampled_addmm" else shape[2]
+            tiles = clamped_tiles(params, blocksize[0], blocksize[1], cols)
+            params["num_warps"] = 8 if tiles["BLOCK_M"] * tiles["BLOCK_N"] >= 128 * 64 else 4
+        return params
+
+    def addmm(
+        self,
+        a: Operand,
+        dense: torch.Tensor,
+        out: torch.Tensor,
+        batch: torch.Size,
+        alpha: float,
+        overwrite: bool,
+        params: dict[str, Any],
+    ) -> None:
+        from bsrkit.backends.triton import kernels
+
+        crow, col, values, dense3, out3, copied = flatten_addmm(a, dense, out, batch)
+        kernels.bsr_dense_addmm(crow, col, values, dense3, out3, alpha, overwrite, params)
+        if copied:
+            out.copy_(out3.view(out.shape))
+
+    def sampled(
+        self,
+        a: Operand,
+        mat1: torch.Tensor,
+        mat2: torch.Tensor,
+        batch: torch.Size,
+        alpha: float,
+        params: dict[str, Any],
+    ) -> torch.Tensor:
+        from bsrkit.backends.triton import kernels
+
+        rows, cols = block_coordinates(a, batch)
+        Ms, Ns = a.values.shape[-2:]
+        B = rows.shape[0]
+        M, K = mat1.shape[-2:]
+        N = mat2.shape[-1]
+        mat1_3 = mat1.expand(*batch, M, K).reshape(B, M, K)
+        mat2_3 = mat2.expand(*batch, K, N).reshape(B, K, N)
+        return kernels.sampled_blocks(rows, cols, Ms, Ns, mat1_3, mat2_3, alpha, params)
+
+    def scatter_mm(
+        self,
+        blocks: torch.Tensor,
+        others: torch.Tensor,
+        indices_data: tuple[Any, ...],
+        accumulators: torch.Tensor,
+        params: dict[str, Any],
+    ) -> None:
+        from bsrkit.backends.triton import kernels
+
+        if indices_data[0] == "scatter_mm":
+            kernels.scatter_mm_into(blocks, others, indices_data, accumulators, params)
+            return
+        others3, acc3, copied = flatten_strided_scatter(others, accumulators)
+        kernels.scatter_mm_into(blocks, others3, indices_data, acc3, params)
+        if copied:
+            accumulators.copy_(acc3.view(accumulators.shape))

@@ -13,7 +13,8 @@
 * ``alpha`` is a float64 argument (a plain Python float would be passed as float32).
 
 Kernel signatures group arguments by tensor: ``<tensor>_ptr`` then ``stride_<tensor>_<dim>``; tile sizes
-are UPPER_CASE constexprs. These functions never validate or cache (``bsrkit.ops`` does).
+are UPPER_CASE constexprs. These functions never validate or cache (``bsrkit.ops`` and
+``bsrkit.plans`` do); the tile rules live in :mod:`bsrkit.backends.triton.tiles`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["bsr_dense_addmm", "clamped_tiles", "sampled_blocks", "scatter_mm_into", "tile"]
+from bsrkit.backends.triton.tiles import clamped_tiles
+
+__all__ = ["bsr_dense_addmm", "sampled_blocks", "scatter_mm_into"]
 
 _ACC = {
     torch.float16: tl.float32,
@@ -34,26 +37,11 @@ _ACC = {
 }
 
 
-def tile(n: int) -> int:
-    """The padded tile extent for a block extent n: a power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(max(n, 1)))
-
-
 def _precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: TF32 for float32 only when torch allows it for matmuls (as torch.mm)."""
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
-
-
-def clamped_tiles(meta: dict[str, Any], rows: int, inner: int, cols: int) -> dict[str, int]:
-    """Tile constexprs for an (rows x inner) @ (inner x cols) block product: meta's caps, clamped to the
-    padded extents so a small block is one tile."""
-    return {
-        "BLOCK_M": min(meta["BLOCK_M"], tile(rows)),
-        "BLOCK_K": min(meta["BLOCK_K"], tile(inner)),
-        "BLOCK_N": min(meta["BLOCK_N"], tile(cols)),
-    }
 
 
 def _launch(

@@ -24,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from bsrkit.backends.triton import kernels
+from bsrkit.backends.triton.tiles import clamped_tiles
 
 __all__ = ["KERNELS", "Resources", "default_resources", "kernel_resources"]
 
@@ -136,7 +137,7 @@ def default_resources(
     meta = tuning.triton_meta(op, torch.device("cpu"), dtype, (n, n, n), (blocksize, blocksize), {})
     inner = n if kernel == "sampled_addmm" else blocksize
     cols = blocksize if kernel == "sampled_addmm" else n
-    tiles = kernels.clamped_tiles(meta, blocksize, inner, cols)
+    tiles = clamped_tiles(meta, blocksize, inner, cols)
     return kernel_resources(
         kernel,
         dtype,

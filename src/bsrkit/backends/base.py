@@ -1,0 +1,120 @@
+"""The contract every backend implements, and the parameter schema it declares.
+
+A backend is an object with the attributes and methods of :class:`Backend`. It receives arguments that
+``bsrkit.ops`` has already validated, batch-broadcast and allocated (never user input), and owns all of
+its own marshaling: strides and offsets, batch flattening, locks, thread counts, launch grids. It never
+validates user input and never caches; index data derived from the pattern comes from
+:mod:`bsrkit.plans` (which validates and caches it once per pattern).
+
+Shapes, for every method: the sparse operand ``a`` is an :class:`~bsrkit.operand.Operand` of shape
+``(*Bb, M, K)`` with blocks ``(Ms, Ks)``; ``batch`` is the broadcast batch shape of the call; ``dense`` is
+``(*Bd, K, N)`` and ``out`` ``(*batch, M, N)``, both with arbitrary strides; all on the backend's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from bsrkit.operand import Operand
+
+__all__ = ["KERNELS", "Backend", "ParamSpec", "int_at_least_one", "power_of_two_at_least_16"]
+
+# What a backend may be asked to run (``not_supported_reasons`` names one of these). softmax and int8
+# products will be added here, each as a method of the contract below.
+KERNELS = ("addmm", "sampled", "scatter_mm")
+
+
+class ParamSpec(NamedTuple):
+    """One tunable parameter: a predicate on its value and the words for an error message."""
+
+    check: Callable[[Any], bool]
+    expected: str
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+int_at_least_one = ParamSpec(lambda v: _is_int(v) and v >= 1, "an int >= 1")
+power_of_two_at_least_16 = ParamSpec(
+    lambda v: _is_int(v) and v >= 16 and not v & (v - 1), "a power of two >= 16"
+)
+
+
+class Backend(Protocol):
+    """A product backend. Instances are stateless singletons registered in :mod:`bsrkit.dispatch`."""
+
+    name: str  # "cpu", "torch", "triton": the values of $BSRKIT_BACKEND
+    display_name: str  # for messages: "CPU", "torch", "Triton"
+    # Parameters ``meta=`` may set (empty: the backend has none, and ``meta`` is ignored).
+    param_schema: ClassVar[Mapping[str, ParamSpec]]
+    # Extra flag of ``bsrkit tune`` for this backend ("" or "--backend triton "), for messages.
+    tune_flag: str
+    # Device types for which the dispatcher picks this backend on its own (None: any); a backend may
+    # run elsewhere when forced (Triton's interpreter on CPU tensors).
+    auto_devices: ClassVar[frozenset[str] | None]
+
+    def not_supported_reasons(self, kernel: str, device: torch.device, dtype: torch.dtype) -> list[str]:
+        """Why this backend cannot run ``kernel`` (one of :data:`KERNELS`) here; empty when it can."""
+        ...
+
+    def tuning_device(self, device: torch.device) -> str:
+        """The device name under which the tuning table keys this backend's entries."""
+        ...
+
+    def complete_params(
+        self,
+        op: str,
+        dtype: torch.dtype,
+        shape: tuple[int, int, int],
+        blocksize: tuple[int, int],
+        chosen: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Every parameter of a launch: ``chosen`` (valid per :attr:`param_schema`, from ``meta=`` or
+        the tuning table) completed with this backend's defaults for ``op`` at ``shape = (M, K, N)``."""
+        ...
+
+    def addmm(
+        self,
+        a: Operand,
+        dense: torch.Tensor,
+        out: torch.Tensor,
+        batch: torch.Size,
+        alpha: float,
+        overwrite: bool,
+        params: dict[str, Any],
+    ) -> None:
+        """``out = alpha * a @ dense`` (``overwrite``) or ``out += alpha * a @ dense``, for every batch
+        index. Called only with ``nnz > 0``, ``K > 0`` and a non-empty ``out``."""
+        ...
+
+    def sampled(
+        self,
+        a: Operand,
+        mat1: torch.Tensor,
+        mat2: torch.Tensor,
+        batch: torch.Size,
+        alpha: float,
+        params: dict[str, Any],
+    ) -> torch.Tensor:
+        """SDDMM: ``V[b, g] = alpha * mat1[b, rows(g)] @ mat2[b, :, cols(g)]`` at ``a``'s stored blocks
+        (``a.values`` gives only the block shape ``(Ms, Ns)``). ``mat1`` is ``(*B1, M, K)``, ``mat2``
+        ``(*B2, K, N)``; returns ``(prod(batch), nnz, Ms, Ns)`` in ``mat1``'s dtype."""
+        ...
+
+    def scatter_mm(
+        self,
+        blocks: torch.Tensor,
+        others: torch.Tensor,
+        indices_data: tuple[Any, ...],
+        accumulators: torch.Tensor,
+        params: dict[str, Any],
+    ) -> None:
+        """``accumulators += scatter_mm(blocks, others, indices_data)`` in one of the three indices
+        formats (semantics in :func:`bsrkit.ops.scatter_mm`). For the ``bsr_strided_mm*`` formats
+        ``others`` is ``(*B, K, N)`` and ``accumulators`` ``(*B, M, N)``."""
+        ...

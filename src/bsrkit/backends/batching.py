@@ -1,0 +1,62 @@
+"""Batch flattening shared by the backends whose kernels take 3-D operands (torch primitives, Triton).
+
+Broadcast batch dimensions become stride-0 views; copies are made only where no view exists.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from bsrkit import plans
+
+if TYPE_CHECKING:
+    from bsrkit.operand import Operand
+
+__all__ = ["as_3d", "block_coordinates", "flatten_addmm", "flatten_strided_scatter"]
+
+
+def as_3d(t: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, bool]:
+    """A view of ``t`` with ``shape``, or a copy (and True) when the batch dims cannot be viewed flat:
+    the caller then writes the copy back with ``t.copy_``."""
+    try:
+        return t.view(shape), False
+    except RuntimeError:
+        return t.reshape(shape).clone(), True
+
+
+def flatten_addmm(
+    a: Operand, dense: torch.Tensor, out: torch.Tensor, batch: torch.Size
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(crow, col, values, dense, out) with the batch flattened to one dim, and whether ``out`` had to
+    be copied (see :func:`as_3d`)."""
+    B, M, K, N = math.prod(batch), a.M, a.K, dense.shape[-1]
+    crow = a.crow.expand(*batch, a.crow.shape[-1]).reshape(B, a.crow.shape[-1])
+    col = a.col.expand(*batch, a.nnz).reshape(B, a.nnz)
+    values = a.values.expand(*batch, *a.values.shape[-3:]).reshape(B, *a.values.shape[-3:])
+    dense3 = dense.expand(*batch, K, N).reshape(B, K, N)
+    out3, copied = as_3d(out, (B, M, N))
+    return crow, col, values, dense3, out3, copied
+
+
+def flatten_strided_scatter(
+    others: torch.Tensor, accumulators: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``others (*B, K, N)`` and ``accumulators (*B, M, N)`` of the ``bsr_strided_mm*`` formats as 3-D
+    tensors, and whether ``accumulators`` had to be copied (see :func:`as_3d`)."""
+    K, N = others.shape[-2:]
+    M = accumulators.shape[-2]
+    acc3, copied = as_3d(accumulators, (math.prod(accumulators.shape[:-2]), M, N))
+    return others.reshape(-1, K, N), acc3, copied
+
+
+def block_coordinates(a: Operand, batch: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block rows, block columns) of ``a``'s stored blocks, each ``(prod(batch), nnz)`` int64."""
+    rows = plans.block_rows(a.source)  # (Bb, nnz)
+    nb = math.prod(batch)
+    nnz = a.nnz
+    rows_b = rows.reshape(*a.batch, nnz).expand(*batch, nnz).reshape(nb, nnz)
+    cols_b = a.col.to(torch.int64).expand(*batch, nnz).reshape(nb, nnz)
+    return rows_b, cols_b

@@ -1,0 +1,256 @@
+"""The CPU backend: marshals validated tensors into the compiled kernels' arguments.
+
+Every operand reaches a kernel as (address of its storage, per-batch element offsets, strides) with a
+layout BLAS can read (unit stride along one dimension), copying only when it has none. float16/bfloat16
+accumulate in a float32 buffer. Kernel calls are serialised (see ``_KERNEL_LOCK``) and run on
+``params["nthreads"]`` numba threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import platform
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+import bsrkit.backends.cpu.kernels as kernels
+from bsrkit import plans
+from bsrkit.backends.base import ParamSpec, int_at_least_one
+from bsrkit.backends.batching import block_coordinates
+from bsrkit.backends.torch_ops import TorchBackend
+
+if TYPE_CHECKING:
+    from bsrkit.operand import Operand
+
+__all__ = ["CpuBackend", "cpu_device_name"]
+
+_KINDS = {
+    torch.float32: kernels.KIND_F32,
+    torch.float64: kernels.KIND_F64,
+    torch.bfloat16: kernels.KIND_BF16,
+    torch.float16: kernels.KIND_F16,
+}
+
+# Output panel width (columns) per gemm call. Measured (docs/performance.md): 128-512 are within noise
+# of each other at n = 2048-4096; 256 keeps a (K x 256) float32 dense panel of a 32-wide block column
+# in L2 and gives each gemm enough columns to amortise its call.
+_DEFAULT_PANEL = 256
+
+# numba's default (workqueue) threading layer must not be entered from two threads at once; the kernel
+# already uses every worker thread, so serialising calls costs little.
+_KERNEL_LOCK = threading.Lock()
+
+_numba_threads = threading.local()  # numba's thread count is per calling thread: remember what we set
+
+
+def _set_numba_threads(n: int) -> None:
+    if getattr(_numba_threads, "n", None) != n:
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+        _numba_threads.n = n
+
+
+def _batch_offsets(t: torch.Tensor, t_batch_ndim: int, batch: torch.Size) -> np.ndarray:
+    """Element offset (from the storage start) of each flattened index of ``batch``, for ``t`` whose
+    first ``t_batch_ndim`` dimensions broadcast to ``batch``. No copies: broadcast dims add 0."""
+    nd = len(batch)
+    if t_batch_ndim == 0:
+        if nd == 0:  # the common unbatched call: the cheapest array numpy makes
+            return np.array((t.storage_offset(),), dtype=np.int64)
+        return np.full(math.prod(batch), t.storage_offset(), dtype=np.int64)
+    offsets = np.full(tuple(batch), t.storage_offset(), dtype=np.int64)
+    lead = nd - t_batch_ndim
+    for d in range(t_batch_ndim):
+        size = t.shape[d]
+        if size == 1:
+            continue
+        view = [1] * nd
+        view[lead + d] = size
+        offsets = offsets + (np.arange(size, dtype=np.int64) * t.stride(d)).reshape(view)
+    return np.ascontiguousarray(offsets.reshape(-1))
+
+
+def _blas_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
+    """``t`` (a stack of matrices) with a layout BLAS can read, copying only when it cannot."""
+    rows, cols = t.shape[-2:]
+    layout = kernels.blas_layout(t.stride(-2), t.stride(-1), rows, cols)
+    if layout is None:
+        t = t.contiguous()
+        layout = kernels.blas_layout(t.stride(-2), t.stride(-1), rows, cols)
+        assert layout is not None
+    return t, layout[0], layout[1]
+
+
+def _base_address(t: torch.Tensor) -> int:
+    """Address of element 0 of ``t``'s storage (offsets are passed per batch, in elements)."""
+    return int(t.data_ptr() - t.storage_offset() * t.element_size())
+
+
+def _bsr_batch_of(bsr_batch: torch.Size, batch: torch.Size) -> np.ndarray:
+    """For each flattened output batch index, the flattened index of the BSR batch it broadcasts from."""
+    n_bsr = math.prod(bsr_batch)
+    if not batch:
+        return np.zeros(1, dtype=np.int64)
+    if bsr_batch == batch:
+        return np.arange(n_bsr, dtype=np.int64)
+    return np.ascontiguousarray(
+        np.broadcast_to(np.arange(n_bsr, dtype=np.int64).reshape(bsr_batch), batch).reshape(-1)
+    )
+
+
+@functools.cache
+def cpu_device_name() -> str:
+    """A stable name for this CPU model (the tuning table's device key)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return "cpu:" + name
+
+
+_TORCH = TorchBackend()
+
+
+class CpuBackend:
+    """Compiled numba loops calling the BLAS gemm that torch links (MKL), one gemm per (block, panel)."""
+
+    name = "cpu"
+    display_name = "CPU"
+    param_schema: ClassVar[Mapping[str, ParamSpec]] = {
+        "panel": int_at_least_one,
+        "nthreads": int_at_least_one,
+    }
+    tune_flag = ""
+    auto_devices: ClassVar[frozenset[str] | None] = frozenset({"cpu"})
+
+    def __init__(self) -> None:
+        self._available: bool | None = None
+
+    def _kernels_available(self) -> bool:
+        if self._available is None:  # looked up once: finds the BLAS entry points, compiles nothing
+            self._available = kernels._mkl_ctypes() is not None
+        return self._available
+
+    def not_supported_reasons(self, kernel: str, device: torch.device, dtype: torch.dtype) -> list[str]:
+        reasons = []
+        if device.type != "cpu":
+            reasons.append(f"needs CPU tensors, got device {device}")
+        if not self._kernels_available():
+            reasons.append("needs MKL's gemm exported by torch's CPU library, which this torch build lacks")
+        return reasons
+
+    def tuning_device(self, device: torch.device) -> str:
+        return cpu_device_name()
+
+    def complete_params(
+        self,
+        op: str,
+        dtype: torch.dtype,
+        shape: tuple[int, int, int],
+        blocksize: tuple[int, int],
+        chosen: dict[str, Any],
+    ) -> dict[str, Any]:
+        params = {"panel": _DEFAULT_PANEL, "nthreads": max(1, torch.get_num_threads()), **chosen}
+        params["panel"] = min(params["panel"], max(shape[2], 1))
+        return params
+
+    def addmm(
+        self,
+        a: Operand,
+        dense: torch.Tensor,
+        out: torch.Tensor,
+        batch: torch.Size,
+        alpha: float,
+        overwrite: bool,
+        params: dict[str, Any],
+    ) -> None:
+        kernel = kernels.bsr_mm_kernel()
+        M, N = a.M, dense.shape[-1]
+        Ms, Ks = a.values.shape[-2:]
+        plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols)
+        values, a_rowmajor, lda = _blas_operand(a.values)
+        dense, b_rowmajor, ldb = _blas_operand(dense)
+
+        half = out.dtype in (torch.float16, torch.bfloat16)
+        if half:  # accumulate in a float32 buffer, written back once
+            target = torch.empty(out.shape, dtype=torch.float32) if overwrite else out.float()
+        else:
+            target = out
+        target_layout = kernels.blas_layout(target.stride(-2), target.stride(-1), M, N)
+        if target_layout is None or (half and not target_layout[0]):  # half gemm writes row-major only
+            target = target.contiguous()
+            target_layout = kernels.blas_layout(target.stride(-2), target.stride(-1), M, N)
+            assert target_layout is not None
+
+        nthreads = params["nthreads"]
+        args = (
+            _KINDS[out.dtype], plan.crow, plan.col, plan.cost, _bsr_batch_of(a.batch, batch), nthreads,
+            _base_address(values), _batch_offsets(values, values.ndim - 3, a.batch), values.stride(-3),
+            a_rowmajor, lda,
+            _base_address(dense), _batch_offsets(dense, dense.ndim - 2, batch),
+            b_rowmajor, dense.stride(-2), dense.stride(-1), ldb,
+            _base_address(target), _batch_offsets(target, target.ndim - 2, batch),
+            target.stride(-2), target.stride(-1), target_layout[0], target_layout[1],
+            Ms, Ks, N, params["panel"], alpha, overwrite, values.element_size(), target.element_size(),
+        )  # fmt: skip
+        with _KERNEL_LOCK:
+            _set_numba_threads(nthreads)
+            kernel(*args)
+        if target is not out:
+            out.copy_(target)
+
+    def sampled(
+        self,
+        a: Operand,
+        mat1: torch.Tensor,
+        mat2: torch.Tensor,
+        batch: torch.Size,
+        alpha: float,
+        params: dict[str, Any],
+    ) -> torch.Tensor:
+        """One gemm per block straight from the strided operands (no gathered copies)."""
+        rows, cols = block_coordinates(a, batch)
+        Ms, Ns = a.values.shape[-2:]
+        B, nnz = rows.shape
+        if rows.numel() == 0 or mat1.shape[-1] == 0:
+            return torch.zeros((B, nnz, Ms, Ns), dtype=mat1.dtype)
+        kernel = kernels.sampled_kernel()
+        mat1, a_rowmajor, lda = _blas_operand(mat1)
+        mat2, b_rowmajor, ldb = _blas_operand(mat2)
+        half = mat1.dtype in (torch.float16, torch.bfloat16)
+        out = torch.empty((B, nnz, Ms, Ns), dtype=torch.float32 if half else mat1.dtype)
+        nthreads = max(1, torch.get_num_threads())
+        args = (
+            _KINDS[mat1.dtype], rows.numpy(), cols.numpy(), nthreads,
+            _base_address(mat1), _batch_offsets(mat1, mat1.ndim - 2, batch),
+            mat1.stride(-2), a_rowmajor, lda,
+            _base_address(mat2), _batch_offsets(mat2, mat2.ndim - 2, batch),
+            mat2.stride(-1), b_rowmajor, ldb,
+            out.data_ptr(), Ms, Ns, mat1.shape[-1], alpha, mat1.element_size(), out.element_size(),
+        )  # fmt: skip
+        with _KERNEL_LOCK:
+            _set_numba_threads(nthreads)
+            kernel(*args)
+        return out.to(mat1.dtype) if half else out
+
+    def scatter_mm(
+        self,
+        blocks: torch.Tensor,
+        others: torch.Tensor,
+        indices_data: tuple[Any, ...],
+        accumulators: torch.Tensor,
+        params: dict[str, Any],
+    ) -> None:
+        # Not compiled yet: the torch primitives (batched gemm + index_add) run it.
+        _TORCH.scatter_mm(blocks, others, indices_data, accumulators, params)

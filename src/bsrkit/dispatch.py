@@ -1,0 +1,141 @@
+"""Dispatch: choose a backend for a call, resolve its parameters, and run one validated product on it.
+
+Everything here receives arguments that :mod:`bsrkit.ops` has validated. The semantics every backend
+shares — ``out := beta * input`` first, the empty-product shortcuts, reshaping SDDMM values to the batch
+— live here once, so that a backend only implements the kernels of :class:`~bsrkit.backends.base.Backend`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from bsrkit import tuning
+from bsrkit.backends import BACKENDS, Backend
+from bsrkit.operand import Operand
+
+__all__ = ["BACKEND_ENV", "addmm", "sampled", "scatter_mm", "select", "select_backend"]
+
+BACKEND_ENV = "BSRKIT_BACKEND"
+
+# (kernel, device type, dtype) -> backend, for calls without an override: the reasons are asked once.
+_chosen: dict[tuple[str, str, torch.dtype], Backend] = {}
+
+
+def select(op: str, kernel: str, device: torch.device, dtype: torch.dtype) -> Backend:
+    """The backend that runs ``kernel`` (one of :data:`bsrkit.backends.base.KERNELS`) for public ``op``.
+
+    Without an override: the first backend of :data:`~bsrkit.backends.BACKENDS` that serves
+    ``device``'s type on its own and reports no reason against the call — the compiled CPU kernel for
+    CPU tensors, Triton for CUDA tensors when triton is installed, else torch primitives.
+    ``$BSRKIT_BACKEND`` (``cpu``, ``torch`` or ``triton``) forces one, for testing and comparison; a forced
+    backend that cannot run raises ``ValueError`` with its reasons (``triton`` on CPU tensors runs
+    Triton's interpreter and needs ``TRITON_INTERPRET=1``).
+    """
+    forced = os.environ.get(BACKEND_ENV)
+    if forced:
+        backend = BACKENDS.get(forced)
+        if backend is None:
+            raise ValueError(f"{op}(): expected ${BACKEND_ENV} in {tuple(BACKENDS)}, got {forced!r}")
+        reasons = backend.not_supported_reasons(kernel, device, dtype)
+        if reasons:
+            raise ValueError(f"{op}(): ${BACKEND_ENV}={forced} " + "; ".join(reasons))
+        return backend
+    memo = (kernel, device.type, dtype)
+    backend = _chosen.get(memo)
+    if backend is None:
+        backend = next(
+            b
+            for b in BACKENDS.values()
+            if (b.auto_devices is None or device.type in b.auto_devices)
+            and not b.not_supported_reasons(kernel, device, dtype)
+        )
+        _chosen[memo] = backend
+    return backend
+
+
+def select_backend(op: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The name of the backend that runs ``op``'s block products here (see :func:`select`)."""
+    return select(op, "addmm", device, dtype).name
+
+
+def addmm(
+    op: str,
+    backend: Backend,
+    input: torch.Tensor | None,
+    a: Operand | None,
+    dense: torch.Tensor,
+    out: torch.Tensor,
+    batch: torch.Size,
+    beta: float,
+    alpha: float,
+    meta: dict[str, Any] | None,
+) -> torch.Tensor:
+    """``out = beta * input + alpha * a @ dense`` (``input`` None: ``beta`` is ignored) and return it.
+
+    ``a`` is None when the product contributes nothing (no stored block, ``K == 0`` or ``alpha == 0``).
+    With ``beta == 0`` ``input`` is not read (NaN in it does not propagate), as in ``torch.addmm``.
+    """
+    # out := beta * input first; the kernel then accumulates (or, with beta == 0, overwrites).
+    overwrite = input is None or beta == 0
+    if not overwrite:
+        assert input is not None
+        if not _same_view(input, out):
+            out.copy_(input.expand(out.shape))
+        if beta != 1:
+            out.mul_(beta)
+    if a is None or out.numel() == 0:
+        if overwrite:
+            out.zero_()
+        return out
+    Ms, Ks = a.values.shape[-2:]
+    params = tuning.resolve(backend, op, out.device, out.dtype, (a.M, a.K, dense.shape[-1]), (Ms, Ks), meta)
+    backend.addmm(a, dense, out, batch, alpha, overwrite, params)
+    return out
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def sampled(
+    op: str,
+    backend: Backend,
+    a: Operand,
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    batch: torch.Size,
+    alpha: float,
+    meta: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """``alpha * (mat1 @ mat2)`` at ``a``'s blocks: values of shape ``(*batch, nnz, Ms, Ns)``."""
+    Ms, Ns = a.values.shape[-2:]
+    shape = (mat1.shape[-2], mat1.shape[-1], mat2.shape[-1])
+    params = tuning.resolve(backend, op, mat1.device, mat1.dtype, shape, (Ms, Ns), meta)
+    values = backend.sampled(a, mat1, mat2, batch, alpha, params)
+    return values.reshape(*batch, *values.shape[1:])
+
+
+def scatter_mm(
+    op: str,
+    backend: Backend,
+    blocks: torch.Tensor,
+    others: torch.Tensor,
+    indices_data: tuple[Any, ...],
+    accumulators: torch.Tensor,
+) -> torch.Tensor:
+    """``accumulators += scatter_mm(blocks, others, indices_data)``; returns ``accumulators``."""
+    _, Ms, Ks = blocks.shape
+    # The scatter formats take no meta= (torch's API has none): the backend's defaults, no table lookup.
+    params = tuning.resolve(
+        backend, op, blocks.device, blocks.dtype, (Ms, Ks, others.shape[-1]), (Ms, Ks), {}
+    )
+    backend.scatter_mm(blocks, others, indices_data, accumulators, params)
+    return accumulators

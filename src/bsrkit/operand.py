@@ -1,0 +1,56 @@
+"""The sparse operand of a product, as the parts every backend consumes, and its transpose."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from bsrkit import plans
+from bsrkit.keys import TensorKey
+
+__all__ = ["Operand"]
+
+
+class Operand(NamedTuple):
+    """A BSR operand as ``(crow, col, values)``, its dense shape ``(M, K)`` and its plan source.
+
+    ``values`` is ``(*Bb, nnz, Ms, Ks)`` (for a transposed operand a strided view of the original's
+    blocks); ``source`` is what its plans are cached on (see :mod:`bsrkit.plans`); a transposed operand has
+    ``transposed_block_cols`` > 0 and borrows its source's plans.
+    """
+
+    crow: torch.Tensor
+    col: torch.Tensor
+    values: torch.Tensor
+    M: int
+    K: int
+    source: Any
+    transposed_block_cols: int = 0
+
+    @property
+    def batch(self) -> torch.Size:
+        return self.values.shape[:-3]
+
+    @property
+    def nnz(self) -> int:
+        return self.values.shape[-3]
+
+    @classmethod
+    def of(cls, bsr: torch.Tensor) -> Operand:
+        M, K = bsr.shape[-2:]
+        crow, col, values = bsr.crow_indices(), bsr.col_indices(), bsr.values()
+        # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).
+        return cls(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)))
+
+    def transposed(self) -> Operand:
+        """The operand of ``bsr.mT``: the plan maps its blocks to the original's; no dense transpose."""
+        Ks = self.values.shape[-1]
+        t = plans.transpose_plan(self.source, self.K // Ks if Ks else 0)
+        batch = self.batch
+        flat = self.values.reshape(-1, *self.values.shape[-3:])
+        gathered = flat[torch.arange(flat.shape[0])[:, None], t.perm]  # (B, nnz, Ms, Ks), a copy
+        values_t = gathered.reshape(*batch, *gathered.shape[1:]).mT  # blocks (Ks, Ms), column-major
+        crow_t = t.crow.reshape(*batch, -1)
+        col_t = t.col.reshape(*batch, -1)
+        return Operand(crow_t, col_t, values_t, self.K, self.M, self.source, self.K // Ks if Ks else 0)
