@@ -16,11 +16,17 @@ from bsrkit import autograd, dispatch, plans, tuning
 from bsrkit.dispatch import select_backend
 from bsrkit.operand import Operand
 from bsrkit.validation import (
+    SUPPORTED_DTYPES,
+    ArgumentTypeError,
     broadcast_batch,
     check_bsr,
+    check_dtype,
+    check_max_grid,
+    check_meta,
     check_out,
     check_same_device,
     check_same_dtype,
+    check_scalar,
     check_strided,
 )
 
@@ -46,6 +52,8 @@ def bsr_dense_mm(
     dense: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    skip_checks: bool = False,
+    max_grid: tuple[int | None, int | None, int | None] | None = None,
     meta: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     r"""Block-sparse times dense: :math:`\mathrm{out}[b] = \mathrm{bsr}[b]\,\mathrm{dense}[b]`.
@@ -55,7 +63,13 @@ def bsr_dense_mm(
     and ``out``; float16/bfloat16 accumulate in float32. ``out`` (shape ``(*batch, M, N)``, dtype of
     ``dense``) is written in place and returned. ``meta`` overrides backend parameters (CPU: ``panel``,
     ``nthreads``; Triton: ``BLOCK_M``, ``BLOCK_K``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
+
+    ``skip_checks`` and ``max_grid`` are accepted as torch's are. Here the checks always run (they cost
+    microseconds and are what keeps a malformed tensor from touching memory outside its operands), and
+    ``max_grid`` (a tuple of three ints or Nones, which torch uses to cut its 3-D launch grid) has nothing
+    to bound: bsrkit's Triton grids are 1-D, within the hardware limit for any size.
     """
+    check_max_grid("bsr_dense_mm", max_grid)
     return _addmm("bsr_dense_mm", None, bsr, dense, beta=0.0, alpha=1.0, out=out, meta=meta)
 
 
@@ -84,21 +98,19 @@ def bsr_dense_addmm(
     beta: float = 1,
     alpha: float = 1,
     out: torch.Tensor | None = None,
+    skip_checks: bool = False,
+    max_grid: tuple[int | None, int | None, int | None] | None = None,
     meta: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     r""":math:`\mathrm{out} = \beta\,\mathrm{input} + \alpha\,(\mathrm{bsr} @ \mathrm{dense})`.
 
     ``input`` broadcasts to ``(*batch, M, N)``. With ``beta == 0``, ``input`` is ignored (NaN in it does
-    not propagate), as in ``torch.addmm``. Otherwise as :func:`bsr_dense_mm`.
+    not propagate), as in ``torch.addmm``. Otherwise as :func:`bsr_dense_mm` (``skip_checks`` and
+    ``max_grid`` included).
     """
     check_strided("bsr_dense_addmm", "input", input, min_ndim=0)
+    check_max_grid("bsr_dense_addmm", max_grid)
     return _addmm("bsr_dense_addmm", input, bsr, dense, beta=beta, alpha=alpha, out=out, meta=meta)
-
-
-def _check_scalar(op: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{op}(): expected {name} to be a real number, got {type(value).__name__}")
-    return float(value)
 
 
 def _needs_grad(*tensors: Any) -> bool:
@@ -124,8 +136,8 @@ def _addmm(
         raise ValueError(
             f"{op}(): expected out=None when an argument requires grad (out= is not differentiable)"
         )
-    beta = _check_scalar(op, "beta", beta)
-    alpha = _check_scalar(op, "alpha", alpha)
+    beta = check_scalar(op, "beta", beta)
+    alpha = check_scalar(op, "alpha", alpha)
     check_bsr(op, "bsr", bsr)
     check_strided(op, "dense", dense)
     check_same_dtype(op, "dense", dense, "bsr", bsr)
@@ -150,8 +162,7 @@ def _addmm(
             raise ValueError(
                 f"{op}(): expected input.shape to broadcast to {out_shape}, got {tuple(input.shape)}"
             )
-    if meta is not None and not isinstance(meta, dict):
-        raise TypeError(f"{op}(): expected meta to be a dict or None, got {type(meta).__name__}")
+    check_meta(op, meta)
     # The sparse operand, or None when nothing is stored (no plan is fetched for an empty product).
     a = None
     if math.prod(out_shape) and K and bsr._nnz() and alpha != 0:
@@ -209,6 +220,8 @@ def bsr_scatter_mm_indices_data(
             )
         return plans.scatter_mm_indices(bsr, indices_format, N, nbatches, 0)
     meta = tuning.scatter_mm_meta(M, K, N, Ms, Ks, **meta_input)
+    if "allow_tf32" not in meta_input:  # as torch: TF32 dots for half types only
+        meta["allow_tf32"] = bsr.dtype in (torch.float16, torch.bfloat16)
     data = plans.scatter_mm_indices(bsr, indices_format, N, 0, meta["SPLIT_N"])
     meta["is_compressed"] = indices_format == "bsr_strided_mm_compressed"
     return (*data, meta)
@@ -327,22 +340,34 @@ def sampled_addmm(
     beta: float = 1.0,
     alpha: float = 1.0,
     out: torch.Tensor | None = None,
+    skip_checks: bool = False,
+    max_grid: tuple[int | None, int | None, int | None] | None = None,
 ) -> torch.Tensor:
     r"""``beta * input + alpha * (mat1 @ mat2)`` evaluated only at ``input``'s stored blocks.
 
     For each stored block :math:`(i, j)` of the BSR ``input`` (blocks ``(Ms, Ns)``):
     :math:`V_{ij} \leftarrow \beta V_{ij} + \alpha\, \mathrm{mat1}_{iM_s..,:}\, \mathrm{mat2}_{:, jN_s..}`.
     ``mat1`` is ``(*B1, M, K)``, ``mat2`` ``(*B2, K, N)``; batch dims broadcast with ``input``'s. The
-    result is a BSR tensor with ``input``'s indices (``out``, if given, must be such a tensor: its values
-    are written). With ``beta == 0`` the input values are ignored. Half types are computed in float32.
+    result is a BSR tensor with ``input``'s indices, in ``mat1``'s dtype. With ``beta == 0`` the input
+    values are ignored, and ``input`` may be a boolean mask (only its pattern is used), as in torch.
+    ``out``, if given, is a BSR tensor of the result's shape, dtype and nnz: as torch does, ``input``'s
+    indices are copied into it (a different pattern is replaced, never mixed) and its values written.
+    Half types are computed in float32. ``skip_checks`` and ``max_grid`` as in :func:`bsr_dense_mm`.
     """
     op = "sampled_addmm"
-    beta = _check_scalar(op, "beta", beta)
-    alpha = _check_scalar(op, "alpha", alpha)
-    check_bsr(op, "input", input)
+    beta = check_scalar(op, "beta", beta)
+    alpha = check_scalar(op, "alpha", alpha)
+    check_max_grid(op, max_grid)
+    check_bsr(op, "input", input, dtypes=(*SUPPORTED_DTYPES, torch.bool))
+    mask_only = input.dtype is torch.bool
+    if mask_only and beta != 0:
+        raise ValueError(f"{op}(): expected beta == 0 with a boolean input (a mask), got beta == {beta}")
+    ref_name, ref = ("mat2", mat2) if mask_only else ("input", input)
+    check_strided(op, "mat1", mat1)
+    check_strided(op, "mat2", mat2)
+    check_dtype(op, "mat1", mat1)
     for name, t in (("mat1", mat1), ("mat2", mat2)):
-        check_strided(op, name, t)
-        check_same_dtype(op, name, t, "input", input)
+        check_same_dtype(op, name, t, ref_name, ref)
         check_same_device(op, name, t, "input", input)
     M, N = input.shape[-2:]
     if mat1.shape[-2] != M:
@@ -356,24 +381,34 @@ def sampled_addmm(
     batch = broadcast_batch(
         op, ("input", "mat1", "mat2"), (input.shape[:-2], mat1.shape[:-2], mat2.shape[:-2])
     )
-    backend = dispatch.select(op, "sampled", input.device, input.dtype)
+    nnz = input._nnz()
+    if out is not None:
+        check_bsr(op, "out", out)
+        if out.shape != (*batch, M, N) or out._nnz() != nnz:
+            raise ValueError(
+                f"{op}(): expected out to be a BSR tensor of shape {(*batch, M, N)} with nnz == {nnz}, "
+                f"got shape {tuple(out.shape)} and nnz == {out._nnz()}"
+            )
+        if out.values().shape[-2:] != input.values().shape[-2:]:
+            raise ValueError(
+                f"{op}(): expected out's blocksize {tuple(input.values().shape[-2:])} (input's), "
+                f"got {tuple(out.values().shape[-2:])}"
+            )
+        if out.dtype != mat1.dtype:
+            raise ArgumentTypeError(f"{op}(): expected out.dtype == {mat1.dtype}, got {out.dtype}")
+    backend = dispatch.select(op, "sampled", mat1.device, mat1.dtype)
     values = dispatch.sampled(op, backend, Operand.of(input), mat1, mat2, batch, alpha)
     if beta != 0:
         in_values = input.values()
         values.add_(in_values.expand(*batch, *in_values.shape[-3:]), alpha=beta)
     crow = input.crow_indices().expand(*batch, -1)
     col = input.col_indices().expand(*batch, -1)
-    if out is not None:
-        check_bsr(op, "out", out)
-        if out.shape != (*batch, M, N) or out.values().shape != values.shape:
-            raise ValueError(
-                f"{op}(): expected out to be a BSR tensor of shape {(*batch, M, N)} with values of shape "
-                f"{tuple(values.shape)}, got shape {tuple(out.shape)} and values {tuple(out.values().shape)}"
-            )
-        if out.dtype != input.dtype:
-            raise TypeError(f"{op}(): expected out.dtype == {input.dtype}, got {out.dtype}")
-        out.values().copy_(values)
-        return out
-    return torch.sparse_bsr_tensor(
-        crow.contiguous(), col.contiguous(), values, size=(*batch, M, N), check_invariants=False
-    )
+    if out is None:
+        return torch.sparse_bsr_tensor(
+            crow.contiguous(), col.contiguous(), values, size=(*batch, M, N), check_invariants=False
+        )
+    for mine, theirs in ((out.crow_indices(), crow), (out.col_indices(), col)):
+        if mine.data_ptr() != theirs.data_ptr() or mine.stride() != theirs.stride():
+            mine.copy_(theirs)  # torch copies input into out: out takes input's pattern
+    out.values().copy_(values)
+    return out

@@ -134,4 +134,4 @@ def sampled_addmm(
     if beta != 0:
         full = full + beta * bsr_to_dense(input).double()
     mask = block_mask(input)
-    return torch.where(mask, full, torch.zeros((), dtype=torch.float64)).to(input.dtype)
+    return torch.where(mask, full, torch.zeros((), dtype=torch.float64)).to(mat1.dtype)
