@@ -30,10 +30,13 @@ def bsr_mm(
 ) -> torch.Tensor:
     """``A @ dense`` (or ``A.mT @ dense``) for the 2-D BSR ``A = (crow, col, values)`` of shape (M, K)."""
     out = torch.empty((K if transposed else M, dense.shape[-1]), dtype=dense.dtype, device=dense.device)
-    a = None  # no operand (and no plan) when nothing is stored
-    if values.shape[0] and M and K and out.numel():
-        a = Operand(crow, col, values, M, K, (crow, col))
-        a = a.transposed() if transposed else a
+    a = None  # no operand when nothing is computed; none either when nothing is stored
+    if out.numel():
+        a = Operand.parts(crow, col, values, M, K, (crow, col), "bsr_mm", "weight")
+        if not (a.nnz and M and K):
+            a = None
+        elif transposed:
+            a = a.transposed()
     backend = dispatch.select("bsr_mm", "addmm", dense.device, dense.dtype)
     return dispatch.addmm("bsr_dense_mm", backend, None, a, dense, out, torch.Size(), 0.0, 1.0, None)
 
@@ -50,7 +53,9 @@ def sampled_mm(
     """Values ``(nnz, Ms, Ns)`` of ``mat1 @ mat2`` at the blocks of the pattern ``(crow, col)``."""
     nnz = col.shape[-1]
     shape_only = mat1.new_empty(()).expand(nnz, Ms, Ns)  # values are not read: only their shape
-    a = Operand(crow, col, shape_only, mat1.shape[-2], mat2.shape[-1], (crow, col))
+    a = Operand.parts(
+        crow, col, shape_only, mat1.shape[-2], mat2.shape[-1], (crow, col), "sampled_mm", "weight"
+    )
     backend = dispatch.select("sampled_mm", "sampled", mat1.device, mat1.dtype)
     return dispatch.sampled("sampled_addmm", backend, a, mat1, mat2, torch.Size(), 1.0)
 

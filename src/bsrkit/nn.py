@@ -9,11 +9,12 @@ recomputed after ``load_state_dict`` changes the pattern in place. Forward and b
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
-from bsrkit import custom_ops
+from bsrkit import custom_ops, plans
 
 __all__ = ["BSRLinear"]
 
@@ -139,6 +140,34 @@ class BSRLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # A corrupted checkpoint must fail here, naming the defect, not in a later forward.
+        crow, col = state_dict.get(prefix + "crow_indices"), state_dict.get(prefix + "col_indices")
+        values = state_dict.get(prefix + "values")
+        plain = all(type(t) is torch.Tensor and t.device.type != "meta" for t in (crow, col, values))
+        if plain:
+            assert crow is not None and col is not None and values is not None
+            bo, bi = self.blocksize
+            blocks = (self.out_features // bo, self.in_features // bi)
+            defect = plans.pattern_defect(crow, col, *blocks, values.shape[0])
+            if defect is not None:
+                raise ValueError(
+                    f"BSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices and "
+                    f"{prefix}col_indices: {defect}"
+                )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def extra_repr(self) -> str:
         nnz = self.values.shape[0]

@@ -37,11 +37,44 @@ class Operand(NamedTuple):
         return self.values.shape[-3]
 
     @classmethod
-    def of(cls, bsr: torch.Tensor) -> Operand:
+    def of(cls, bsr: torch.Tensor, op: str = "bsrkit", name: str = "bsr") -> Operand:
+        """The operand of a BSR tensor, its pattern validated (once per pattern: see
+        :func:`bsrkit.plans.check_pattern`); ``op`` and ``name`` word the ``ValueError`` for a malformed
+        one."""
         M, K = bsr.shape[-2:]
         crow, col, values = bsr.crow_indices(), bsr.col_indices(), bsr.values()
         # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).
-        return cls(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)))
+        return cls.parts(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)), op, name)
+
+    @classmethod
+    def parts(
+        cls,
+        crow: torch.Tensor,
+        col: torch.Tensor,
+        values: torch.Tensor,
+        M: int,
+        K: int,
+        source: Any,
+        op: str = "bsrkit",
+        name: str = "bsr",
+    ) -> Operand:
+        """The operand of the BSR ``(crow, col, values)`` of shape ``(*, M, K)``, plans cached on
+        ``source``; its pattern validated as in :meth:`of`."""
+        Ms, Ks = values.shape[-2:]
+        nnz = values.shape[-3]
+        if values.shape[:-3] != crow.shape[:-1] or col.shape[-1:] != (nnz,) or not Ms or not Ks:
+            raise ValueError(
+                f"{op}(): malformed {name}: expected values of shape (*batch, nnz, Ms, Ks) with batch "
+                f"{tuple(crow.shape[:-1])} and nnz == {col.shape[-1]} (col_indices), Ms, Ks > 0, got "
+                f"{tuple(values.shape)}"
+            )
+        if M % Ms or K % Ks:
+            raise ValueError(f"{op}(): malformed {name}: blocks {(Ms, Ks)} do not tile its shape {(M, K)}")
+        try:
+            plans.check_pattern(source, M // Ms, K // Ks, nnz)
+        except plans.MalformedPatternError as exc:
+            raise ValueError(f"{op}(): malformed {name}: {exc}") from None
+        return cls(crow, col, values, M, K, source)
 
     def transposed(self) -> Operand:
         """The operand of ``bsr.mT``: the plan maps its blocks to the original's; no dense transpose."""

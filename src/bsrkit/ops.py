@@ -165,9 +165,12 @@ def _addmm(
     check_meta(op, meta)
     # The sparse operand, or None when nothing is stored (no plan is fetched for an empty product).
     a = None
-    if math.prod(out_shape) and K and bsr._nnz() and alpha != 0:
-        a = Operand.of(bsr)
-        a = a.transposed() if transpose else a
+    if math.prod(out_shape):
+        a = Operand.of(bsr, op)  # validates the pattern (once per pattern)
+        if not (K and a.nnz and alpha):
+            a = None
+        elif transpose:
+            a = a.transposed()
     if differentiable:
         return autograd.BsrDenseAddmm.apply(op, backend, input, bsr, dense, a, batch, beta, alpha, meta)
     if out is None:
@@ -212,6 +215,7 @@ def bsr_scatter_mm_indices_data(
         raise ValueError(f"{op}(): expected other.shape[-2] == {K} (bsr.shape[-1]), got {other.shape[-2]}")
     N = other.shape[-1]
     nbatches = math.prod(other.shape[:-2])
+    Operand.of(bsr, op)  # the indices data derive from the pattern: validate it (once per pattern)
     if indices_format == "scatter_mm":
         if N % Ms:
             raise ValueError(
@@ -397,7 +401,7 @@ def sampled_addmm(
         if out.dtype != mat1.dtype:
             raise ArgumentTypeError(f"{op}(): expected out.dtype == {mat1.dtype}, got {out.dtype}")
     backend = dispatch.select(op, "sampled", mat1.device, mat1.dtype)
-    values = dispatch.sampled(op, backend, Operand.of(input), mat1, mat2, batch, alpha)
+    values = dispatch.sampled(op, backend, Operand.of(input, op, "input"), mat1, mat2, batch, alpha)
     if beta != 0:
         in_values = input.values()
         values.add_(in_values.expand(*batch, *in_values.shape[-3:]), alpha=beta)

@@ -19,11 +19,14 @@ from bsrkit.keys import TensorKey
 
 __all__ = [
     "CpuMMPlan",
+    "MalformedPatternError",
     "TransposePlan",
     "block_rows",
     "cache_clear",
     "cache_info",
+    "check_pattern",
     "cpu_mm_plan",
+    "pattern_defect",
     "scatter_mm_indices",
     "transpose_plan",
 ]
@@ -72,6 +75,61 @@ def cache_clear() -> None:
     _plan.cache_clear()  # type: ignore[attr-defined]
 
 
+class MalformedPatternError(ValueError):
+    """Indices that are not a valid BSR pattern; the message names the defect."""
+
+
+def check_pattern(source: Source, block_rows: int, block_cols: int, nnz: int) -> None:
+    """Raise ``ValueError`` naming the defect unless ``source``'s indices are a valid BSR pattern of
+    ``block_rows x block_cols`` blocks with ``nnz`` stored per batch (see :func:`pattern_defect`).
+
+    Checked once per pattern: the verdict is cached like a plan (a malformed pattern is not cached, so it
+    raises on every call), so hits read no index data."""
+    _plan("check", source, block_rows, block_cols, nnz)
+
+
+def pattern_defect(
+    crow: torch.Tensor, col: torch.Tensor, block_rows: int, block_cols: int, nnz: int
+) -> str | None:
+    """What is wrong with ``(crow, col)`` as the indices of a BSR tensor of ``block_rows x block_cols``
+    blocks and ``nnz`` stored blocks per batch, or None when nothing is.
+
+    A valid pattern has integer (int32 or int64) indices with equal batch shapes; ``crow`` has
+    ``block_rows + 1`` entries, starts at 0, never decreases and ends at ``nnz``; ``col`` has ``nnz``
+    entries, each in ``[0, block_cols)``. (Columns need not be sorted within a row: every kernel sums
+    what is stored.)"""
+    if crow.dtype not in (torch.int32, torch.int64) or col.dtype != crow.dtype:
+        return (
+            f"expected crow_indices and col_indices of one dtype, int32 or int64, got {crow.dtype} and "
+            f"{col.dtype}"
+        )
+    if crow.ndim < 1 or col.ndim != crow.ndim or crow.shape[:-1] != col.shape[:-1]:
+        return (
+            f"expected crow_indices and col_indices with equal batch dimensions, got shapes "
+            f"{tuple(crow.shape)} and {tuple(col.shape)}"
+        )
+    if crow.shape[-1] != block_rows + 1:
+        return f"expected crow_indices.shape[-1] == {block_rows + 1} (block rows + 1), got {crow.shape[-1]}"
+    if col.shape[-1] != nnz:
+        return f"expected col_indices.shape[-1] == {nnz} (nnz), got {col.shape[-1]}"
+    if crow.numel() == 0:
+        return None
+    crow2 = crow.reshape(-1, block_rows + 1)
+    if bool((crow2[:, 0] != 0).any()):
+        return f"expected crow_indices[..., 0] == 0, got {crow2[:, 0].tolist()[:8]}"
+    if bool((crow2[:, -1] != nnz).any()):
+        return f"expected crow_indices[..., -1] == {nnz} (nnz), got {crow2[:, -1].tolist()[:8]}"
+    if block_rows and bool((crow2.diff(dim=1) < 0).any()):
+        row = int((crow2.diff(dim=1) < 0).nonzero()[0, 1])
+        return f"expected non-decreasing crow_indices, got a decrease after block row {row}"
+    if nnz and col.numel():
+        lo, hi = int(col.min()), int(col.max())
+        if lo < 0 or hi >= block_cols:
+            bad = lo if lo < 0 else hi
+            return f"expected col_indices in [0, {block_cols}) (block columns), got {bad}"
+    return None
+
+
 def cpu_mm_plan(source: Source, transposed_block_cols: int = 0) -> CpuMMPlan:
     """Kernel plan for ``source`` (or, with ``transposed_block_cols`` = its block-column count > 0, for
     its transpose)."""
@@ -100,6 +158,16 @@ def _indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
     crow, col = (source.crow_indices(), source.col_indices()) if isinstance(source, torch.Tensor) else source
     crow2 = crow.reshape(-1, crow.shape[-1]).to(torch.int64)
     return crow2, col.reshape(crow2.shape[0], col.shape[-1]).to(torch.int64)
+
+
+def _build_check(source: Source, block_rows: int, block_cols: int, nnz: int) -> bool:
+    if isinstance(source, TensorKey):
+        source = source.obj
+    crow, col = (source.crow_indices(), source.col_indices()) if isinstance(source, torch.Tensor) else source
+    defect = pattern_defect(crow, col, block_rows, block_cols, nnz)
+    if defect is not None:
+        raise MalformedPatternError(defect)
+    return True
 
 
 def _build_cpu_mm(source: Source, transposed_block_cols: int) -> CpuMMPlan:
@@ -201,6 +269,7 @@ def _build_scatter_mm(
 
 
 _BUILDERS = {
+    "check": _build_check,
     "cpu_mm": _build_cpu_mm,
     "scatter_mm": _build_scatter_mm,
     "transpose": _build_transpose,

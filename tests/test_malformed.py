@@ -1,0 +1,127 @@
+"""Malformed BSR patterns (torch's constructor does not check them by default) raise a ValueError naming
+the defect, on every backend and every public op, and never touch memory outside the operands.
+
+The cases run in a subprocess, so that a regression that crashes the process fails this test instead of
+killing the test run."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from bsrkit import plans
+
+# (name, crow, col): blocks 2x2 of an 8x8 matrix (4 x 4 blocks), 4 values.
+CASES = [
+    ("crow one entry too long", [0, 1, 2, 3, 3, 4], [0, 1, 2, 3]),
+    ("crow short", [0, 1, 2, 4], [0, 1, 2, 3]),
+    ("crow[-1] > nnz", [0, 1, 2, 3, 6], [0, 1, 2, 3]),
+    ("crow[0] != 0", [1, 1, 2, 3, 4], [0, 1, 2, 3]),
+    ("crow decreasing", [0, 2, 1, 3, 4], [0, 1, 2, 3]),
+    ("col of 10**9", [0, 1, 2, 3, 4], [0, 1, 10**9, 3]),
+    ("col == block columns", [0, 1, 2, 3, 4], [0, 1, 4, 3]),
+    ("col negative", [0, 1, 2, 3, 4], [0, -1, 2, 3]),
+    ("col shorter than nnz", [0, 1, 2, 3, 4], [0, 1, 2]),
+]
+
+_WORKER = textwrap.dedent(
+    """
+    import json, os, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch, bsrkit
+    cases = json.loads(sys.argv[1])
+    results = []
+    x = torch.randn(8, 3)
+    for name, crow, col in cases:
+        bsr = torch.sparse_bsr_tensor(torch.tensor(crow), torch.tensor(col), torch.randn(4, 2, 2),
+                                      size=(8, 8), check_invariants=False)
+        buf = torch.zeros(12, 3)
+        calls = {
+            "bsr_dense_mm": lambda: bsrkit.bsr_dense_mm(bsr, x, out=buf[:8]),
+            "bsr_dense_addmm": lambda: bsrkit.bsr_dense_addmm(torch.randn(8, 3), bsr, x),
+            "bsr_transposed_dense_mm": lambda: bsrkit.bsr_transposed_dense_mm(bsr, x),
+            "sampled_addmm": lambda: bsrkit.sampled_addmm(bsr, torch.randn(8, 5), torch.randn(5, 8)),
+            "bsr_scatter_mm": lambda: bsrkit.bsr_scatter_mm(bsr, x),
+            "bsr_scatter_mm_indices_data": lambda: bsrkit.bsr_scatter_mm_indices_data(bsr, x),
+        }
+        for op, call in calls.items():
+            try:
+                call()
+                got = "no error"
+            except ValueError as exc:
+                got = "ValueError: " + str(exc)
+            except Exception as exc:
+                got = type(exc).__name__ + ": " + str(exc)
+            results.append([name, op, got, bool(buf[8:].any())])
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_malformed_patterns_raise_on_every_op(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    env = {**os.environ, "BSRKIT_BACKEND": backend, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORKER, json.dumps(CASES)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, f"worker crashed ({proc.returncode}): {proc.stderr[-2000:]}"
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == len(CASES) * 6
+    for name, op, got, wrote_past_out in results:
+        arg = "input" if op == "sampled_addmm" else "bsr"
+        assert got.startswith(f"ValueError: {op}(): malformed {arg}"), (name, op, got)
+        assert not wrote_past_out, (name, op)
+
+
+@pytest.mark.parametrize("name,crow,col", CASES[:-1], ids=[c[0] for c in CASES[:-1]])
+def test_pattern_defect_names_the_defect(name, crow, col):
+    defect = plans.pattern_defect(torch.tensor(crow), torch.tensor(col), 4, 4, 4)
+    assert defect is not None and defect.startswith("expected")
+
+
+def test_valid_patterns_pass_including_batches_and_empty():
+    crow = torch.tensor([[0, 1, 1, 3], [0, 0, 2, 3]])
+    col = torch.tensor([[2, 0, 1], [1, 2, 0]])
+    assert plans.pattern_defect(crow, col, 3, 3, 3) is None
+    assert (
+        plans.pattern_defect(torch.zeros(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 3, 3, 0)
+        is None
+    )
+    assert "one dtype" in plans.pattern_defect(crow.int(), col, 3, 3, 3)
+
+
+def test_corrupted_checkpoint_is_refused_at_load():
+    from bsrkit.nn import BSRLinear
+
+    layer = BSRLinear(16, 16, 4, density=0.5, generator=torch.Generator().manual_seed(0))
+    for corrupt in ("col", "crow"):
+        state = {k: v.clone() for k, v in layer.state_dict().items()}
+        if corrupt == "col":
+            state["col_indices"][0] = 10**9
+        else:
+            state["crow_indices"][-1] += 3
+        fresh = BSRLinear(16, 16, 4, density=0.5, generator=torch.Generator().manual_seed(0))
+        with pytest.raises(ValueError, match="malformed pattern"):
+            fresh.load_state_dict(state)
+        torch.testing.assert_close(fresh(torch.ones(2, 16)), layer(torch.ones(2, 16)))  # left intact
+
+
+def test_pattern_corrupted_in_place_is_caught_at_the_next_forward():
+    from bsrkit.nn import BSRLinear
+
+    layer = BSRLinear(16, 16, 4, density=0.5, generator=torch.Generator().manual_seed(1))
+    layer(torch.ones(1, 16))  # plans built for the good pattern
+    with torch.no_grad():
+        layer.col_indices[0] = 10**9  # the version counter moves: the cached verdict is stale
+    with pytest.raises(ValueError, match="malformed weight"):
+        layer(torch.ones(1, 16))
