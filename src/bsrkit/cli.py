@@ -239,6 +239,11 @@ def _tune(args: argparse.Namespace) -> int:
     else:
         device = torch.device("cpu")
         device_name = tuning.cpu_device_name()
+    try:  # before any tuning work, not after it
+        table = tuning.check_writable(args.table)
+    except OSError as exc:
+        print(f"bsrkit tune: cannot write the tuning table: {exc}", file=sys.stderr)
+        return 2
     shapes = args.shapes or [(n, n, n) for n in args.sizes]
     found: dict[str, dict[str, Any]] = {}
     jobs = [(shape, bs) for shape in shapes for bs in args.blocksizes]
@@ -258,7 +263,7 @@ def _tune(args: argparse.Namespace) -> int:
         for op in ("bsr_dense_mm", "bsr_dense_addmm", "bsr_transposed_dense_mm"):
             key = tuning.table_key(device_name, op, dtype, (M, K, N), (Ms, Ks))
             found[key] = {**best, "seconds": round(best_t, 6), "density": args.density}
-    path = tuning.save_entries(found, args.table)
+    path = tuning.save_entries(found, table)
     print(f"wrote {len(found)} entries to {path}")
     return 0
 

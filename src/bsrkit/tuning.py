@@ -12,6 +12,7 @@ warning) and ignored, never a crash.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from bsrkit.backends.cpu.backend import cpu_device_name
 __all__ = [
     "TABLE_ENV",
     "TuningWarning",
+    "check_writable",
     "cpu_device_name",
     "cpu_mm_meta",
     "default_table_path",
@@ -119,26 +122,64 @@ def load_table(path: Path | str | None = None) -> dict[str, dict[str, Any]]:
         if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
             raise ValueError("'entries' is not a mapping of parameter dicts")
         entries = raw
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        _warn_once(f"bad:{path}:{mtime}", f"bsrkit: ignoring tuning table {path}: {exc}")
+    except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        _warn_once(f"bad:{path}:{mtime}", f"bsrkit: ignoring tuning table {path}: {reason}")
         entries = {}
     _loaded[name] = (mtime, now, entries)
     return entries
 
 
-def save_entries(new: dict[str, dict[str, Any]], path: Path | None = None) -> Path:
-    """Merge ``new`` into the table at ``path`` (a corrupt one is replaced) and write it atomically."""
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``<path>.lock`` (POSIX ``flock``; no lock where it is missing), so that
+    concurrent ``bsrkit tune`` runs serialise their read-merge-write and lose nothing."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def check_writable(path: Path | None = None) -> Path:
+    """Raise ``OSError`` now, before any tuning work, if the table at ``path`` cannot be written."""
     path = Path(path) if path is not None else default_table_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TuningWarning)
-        entries = dict(load_table(path))
-    entries.update(new)
-    payload = {"format": _FORMAT, "version": _VERSION, "entries": entries}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    fd, probe = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=".probe")
+    os.close(fd)
+    os.unlink(probe)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise PermissionError(f"tuning table {path} is not writable")
+    return path
+
+
+def save_entries(new: dict[str, dict[str, Any]], path: Path | None = None) -> Path:
+    """Merge ``new`` into the table at ``path`` (a corrupt one is replaced) and write it atomically, under
+    a file lock: concurrent writers lose no entries, and a failed write leaves no temporary file."""
+    path = Path(path) if path is not None else default_table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        _loaded.pop(str(path), None)  # read what is on disk now, not a copy up to a second old
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TuningWarning)
+            entries = dict(load_table(path))
+        entries.update(new)
+        payload = {"format": _FORMAT, "version": _VERSION, "entries": entries}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(payload, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     _loaded.pop(str(path), None)  # this process sees its own write at once
     return path
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import platform
 import threading
 from collections.abc import Mapping
@@ -105,6 +106,15 @@ def _bsr_batch_of(bsr_batch: torch.Size, batch: torch.Size) -> np.ndarray:
 
 
 @functools.cache
+def _machine_threads() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@functools.cache
 def cpu_device_name() -> str:
     """A stable name for this CPU model (the tuning table's device key)."""
     name = platform.processor() or platform.machine()
@@ -163,6 +173,8 @@ class CpuBackend:
     ) -> dict[str, Any]:
         params = {"panel": _DEFAULT_PANEL, "nthreads": max(1, torch.get_num_threads()), **chosen}
         params["panel"] = min(params["panel"], max(shape[2], 1))
+        # More workers than cores only adds scheduling (2**31 of them would never finish starting).
+        params["nthreads"] = min(params["nthreads"], _machine_threads())
         return params
 
     def addmm(

@@ -1,0 +1,124 @@
+"""The tuning table and meta= never crash, hang or lose data: bad entries are warned about and ignored,
+thread counts are bounded by the machine, concurrent writers serialise, unwritable paths fail early."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import bsrkit
+from bsrkit import reference, tuning
+from bsrkit.cli import main
+from helpers import assert_close, random_bsr
+
+SHAPE, BLOCKS = (32, 32, 8), (8, 8)
+
+
+def _write_entry(path, params_json):
+    key = tuning.table_key(tuning.cpu_device_name(), "bsr_dense_mm", torch.float32, SHAPE, BLOCKS)
+    path.write_text('{"format": "bsrkit-tuning", "version": 1, "entries": {"%s": %s}}' % (key, params_json))
+    return key
+
+
+@pytest.mark.parametrize(
+    "params_json",
+    ['{"panel": "abc"}', '{"panel": null}', '{"panel": [1]}', '{"panel": NaN}', '{"nthreads": Infinity}',
+     '{"panel": 0}', '{"panel": -1}', '{"nthreads": 1.5}', '{"panel": true}'],
+)  # fmt: skip
+def test_bad_entries_are_named_and_ignored(tmp_path, monkeypatch, params_json):
+    table = tmp_path / "t.json"
+    key = _write_entry(table, params_json)
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    monkeypatch.setattr(tuning, "_warned", set())
+    bsr = random_bsr(SHAPE[:2], BLOCKS, 0.5)
+    x = torch.randn(SHAPE[1], SHAPE[2])
+    with pytest.warns(tuning.TuningWarning, match="ignoring entry") as record:
+        got = bsrkit.bsr_dense_mm(bsr, x)
+    message = str(record[0].message)
+    assert key in message and str(table) in message
+    assert_close(got, reference.bsr_dense_mm(bsr, x), k=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tuning.TuningWarning)
+        bsrkit.bsr_dense_mm(bsr, x)  # warned once
+
+
+def test_deeply_nested_table_is_reported_not_a_recursion_error(tmp_path, monkeypatch):
+    table = tmp_path / "deep.json"
+    table.write_text("[" * 200_000 + "]" * 200_000)
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    monkeypatch.setattr(tuning, "_warned", set())
+    with pytest.warns(tuning.TuningWarning, match="nested too deeply"):
+        params = tuning.cpu_mm_meta("bsr_dense_mm", torch.float32, SHAPE, BLOCKS, None)
+    assert params["panel"] == SHAPE[2]
+
+
+@pytest.mark.parametrize("nthreads", [2**31, 10**8])
+def test_thread_counts_are_bounded_by_the_machine(tmp_path, monkeypatch, nthreads):
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsr = random_bsr((64, 64), (8, 8), 0.5)
+    x = torch.randn(64, 64)
+    got = bsrkit.bsr_dense_mm(bsr, x, meta={"nthreads": nthreads})  # would hang or take seconds
+    assert_close(got, reference.bsr_dense_mm(bsr, x), k=64)
+    params = tuning.cpu_mm_meta("bsr_dense_mm", torch.float32, (64, 64, 64), (8, 8), {"nthreads": nthreads})
+    assert params["nthreads"] <= (os.cpu_count() or 1)
+    table = tmp_path / "t.json"
+    _write_entry(table, json.dumps({"nthreads": nthreads}))
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    assert tuning.cpu_mm_meta("bsr_dense_mm", torch.float32, SHAPE, BLOCKS, None)["nthreads"] <= (
+        os.cpu_count() or 1
+    )
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    from bsrkit import tuning
+    path, who = sys.argv[1], sys.argv[2]
+    for i in range(40):
+        tuning.save_entries({f"{who}|{i}": {"panel": 64}}, tuning.Path(path))
+    """
+)
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    table = tmp_path / "t.json"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, str(table), f"w{w}"], stderr=subprocess.PIPE)
+        for w in range(4)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()[-2000:]
+    entries = json.loads(table.read_text())["entries"]
+    assert len(entries) == 160
+    assert not list(tmp_path.glob(".tuning-*"))
+
+
+def test_unwritable_table_fails_before_tuning(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    timed = []
+    monkeypatch.setattr("bsrkit.cli._tune_shape", lambda *a: timed.append(a))
+    argv = ["tune", "--sizes", "64", "--blocksizes", "16", "--table", str(blocker / "t.json")]
+    assert main(argv) == 2
+    assert "cannot write the tuning table" in capsys.readouterr().err
+    assert not timed  # no tuning work was done
+
+
+def test_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    table = tmp_path / "t.json"
+
+    def broken_dump(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tuning.json, "dump", broken_dump)
+    with pytest.raises(OSError, match="disk full"):
+        tuning.save_entries({"k": {"panel": 64}}, table)
+    assert not list(tmp_path.glob(".tuning-*"))
+    assert not table.exists()
