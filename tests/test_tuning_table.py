@@ -21,7 +21,8 @@ SHAPE, BLOCKS = (32, 32, 8), (8, 8)
 
 def _write_entry(path, params_json):
     key = tuning.table_key(tuning.cpu_device_name(), "bsr_dense_mm", torch.float32, SHAPE, BLOCKS)
-    path.write_text('{"format": "bsrkit-tuning", "version": 1, "entries": {"%s": %s}}' % (key, params_json))
+    header = '{"format": "bsrkit-tuning", "version": 1, "entries": '
+    path.write_text(header + "{" + json.dumps(key) + ": " + params_json + "}}")
     return key
 
 
