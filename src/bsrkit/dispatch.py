@@ -7,6 +7,7 @@ shares — ``out := beta * input`` first, the empty-product shortcuts, reshaping
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -78,14 +79,20 @@ def addmm(
     ``a`` is None when the product contributes nothing (no stored block, ``K == 0`` or ``alpha == 0``).
     With ``beta == 0`` ``input`` is not read (NaN in it does not propagate), as in ``torch.addmm``.
     """
+    if not math.isfinite(alpha):
+        # inf * 0 is NaN wherever the product is 0 (empty rows included), as in torch.addmm; a gemm
+        # may scale its operands instead. Form the product, then scale it.
+        product = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        addmm(op, backend, None, a, dense, product, batch, 0.0, 1.0, meta).mul_(alpha)
+        if input is None or beta == 0:
+            return out.copy_(product)
+        _scale_input_into(out, input, beta)
+        return out.add_(product)
     # out := beta * input first; the kernel then accumulates (or, with beta == 0, overwrites).
     overwrite = input is None or beta == 0
     if not overwrite:
         assert input is not None
-        if not _same_view(input, out):
-            out.copy_(input.expand(out.shape))
-        if beta != 1:
-            out.mul_(beta)
+        _scale_input_into(out, input, beta)
     if a is None or out.numel() == 0:
         if overwrite:
             out.zero_()
@@ -94,6 +101,14 @@ def addmm(
     params = tuning.resolve(backend, op, out.device, out.dtype, (a.M, a.K, dense.shape[-1]), (Ms, Ks), meta)
     backend.addmm(a, dense, out, batch, alpha, overwrite, params)
     return out
+
+
+def _scale_input_into(out: torch.Tensor, input: torch.Tensor, beta: float) -> None:
+    """out := beta * input (``input`` broadcasts to ``out``; it may be ``out`` itself)."""
+    if not _same_view(input, out):
+        out.copy_(input.expand(out.shape))
+    if beta != 1:
+        out.mul_(beta)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -77,14 +77,29 @@ def _batch_offsets(t: torch.Tensor, t_batch_ndim: int, batch: torch.Size) -> np.
     return np.ascontiguousarray(offsets.reshape(-1))
 
 
-def _blas_operand(t: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
-    """``t`` (a stack of matrices) with a layout BLAS can read, copying only when it cannot."""
+# gemm's integer arguments are 32-bit (LP64): a larger leading dimension would be truncated.
+_LD_MAX = 2**31 - 1
+
+
+def _layout(t: torch.Tensor) -> tuple[bool, int] | None:
+    """(row_major, leading dimension) under which 32-bit BLAS can address ``t``'s matrices, or None."""
     rows, cols = t.shape[-2:]
     layout = kernels.blas_layout(t.stride(-2), t.stride(-1), rows, cols)
-    if layout is None:
+    return layout if layout is not None and layout[1] <= _LD_MAX else None
+
+
+def _blas_operand(t: torch.Tensor, row_major_only: bool = False) -> tuple[torch.Tensor, bool, int]:
+    """``t`` (a stack of matrices) with a layout BLAS can read, copying only when it has none (no unit
+    stride, or a leading dimension beyond 32 bits)."""
+    layout = _layout(t)
+    if layout is None or (row_major_only and not layout[0]):
         t = t.contiguous()
-        layout = kernels.blas_layout(t.stride(-2), t.stride(-1), rows, cols)
-        assert layout is not None
+        layout = _layout(t)
+        if layout is None:
+            raise ValueError(
+                f"a matrix of {t.shape[-1]} columns exceeds the 32-bit leading dimension of the CPU "
+                "backend's BLAS; use BSRKIT_BACKEND=torch"
+            )
     return t, layout[0], layout[1]
 
 
@@ -188,7 +203,7 @@ class CpuBackend:
         params: dict[str, Any],
     ) -> None:
         kernel = kernels.bsr_mm_kernel()
-        M, N = a.M, dense.shape[-1]
+        N = dense.shape[-1]
         Ms, Ks = a.values.shape[-2:]
         plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols)
         values, a_rowmajor, lda = _blas_operand(a.values)
@@ -199,11 +214,8 @@ class CpuBackend:
             target = torch.empty(out.shape, dtype=torch.float32) if overwrite else out.float()
         else:
             target = out
-        target_layout = kernels.blas_layout(target.stride(-2), target.stride(-1), M, N)
-        if target_layout is None or (half and not target_layout[0]):  # half gemm writes row-major only
-            target = target.contiguous()
-            target_layout = kernels.blas_layout(target.stride(-2), target.stride(-1), M, N)
-            assert target_layout is not None
+        # (written through a copy when gemm cannot address it; the half gemm writes row-major only)
+        target, c_rowmajor, ldc = _blas_operand(target, row_major_only=half)
 
         nthreads = params["nthreads"]
         args = (
@@ -213,7 +225,7 @@ class CpuBackend:
             _base_address(dense), _batch_offsets(dense, dense.ndim - 2, batch),
             b_rowmajor, dense.stride(-2), dense.stride(-1), ldb,
             _base_address(target), _batch_offsets(target, target.ndim - 2, batch),
-            target.stride(-2), target.stride(-1), target_layout[0], target_layout[1],
+            target.stride(-2), target.stride(-1), c_rowmajor, ldc,
             Ms, Ks, N, params["panel"], alpha, overwrite, values.element_size(), target.element_size(),
         )  # fmt: skip
         with _KERNEL_LOCK:

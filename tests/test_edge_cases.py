@@ -1,0 +1,75 @@
+"""Sizes and scalars at the edges: leading dimensions beyond 32 bits, nnz == 0 in training, non-finite
+alpha — each against what torch itself computes."""
+
+import math
+
+import pytest
+import torch
+
+import bsrkit
+from bsrkit import reference
+from bsrkit.nn import BSRLinear
+from helpers import assert_close, random_bsr
+
+
+@pytest.fixture(params=["cpu", "torch"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
+    return request.param
+
+
+def _huge_row_stride(rows, cols, fill):
+    """A (rows, cols) view whose row stride is 2**31: the storage is 8 GiB of virtual memory, of which
+    only the touched pages (the rows) become resident."""
+    buf = torch.empty(2**31 * (rows - 1) + cols)
+    view = buf.as_strided((rows, cols), (2**31, 1))
+    view.copy_(fill)
+    return view
+
+
+def test_row_strides_beyond_32_bits(backend):
+    bsr = random_bsr((2, 2), (1, 2), 1.0)
+    x = torch.randn(2, 8)
+    expected = reference.bsr_dense_mm(bsr, x)
+    dense = _huge_row_stride(2, 8, x)
+    assert_close(bsrkit.bsr_dense_mm(bsr, dense), expected, k=2)
+    del dense
+    out = _huge_row_stride(2, 8, torch.full((2, 8), float("nan")))
+    bsrkit.bsr_dense_mm(bsr, x, out=out)
+    assert_close(out, expected, k=2)
+    out.fill_(1.0)
+    bsrkit.bsr_dense_addmm(out, bsr, x, beta=1.0, out=out)
+    assert_close(out, expected + 1, k=3)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bsrlinear_with_no_blocks_trains(backend, compiled):
+    layer = BSRLinear(16, 8, 4, density=0.0)
+    assert layer.values.shape[0] == 0
+    x = torch.randn(3, 16, requires_grad=True)
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer
+    y = fn(x)
+    torch.testing.assert_close(y, layer.bias.expand(3, 8))
+    y.sum().backward()
+    assert layer.values.grad is not None and layer.values.grad.shape == (0, 4, 4)
+    torch.testing.assert_close(x.grad, torch.zeros(3, 16))
+    torch.testing.assert_close(layer.bias.grad, torch.full((8,), 3.0))
+
+
+def _addmm_as_written(inp, a, x, beta, alpha):
+    """beta * inp + alpha * (a @ x), scaling the product (torch.addmm on CPU gives NaN everywhere for an
+    infinite alpha: MKL scales an operand, and inf * 0 poisons every row)."""
+    product = alpha * (a @ x)
+    return product if beta == 0 else beta * inp + product
+
+
+@pytest.mark.parametrize("alpha", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_non_finite_alpha_gives_the_formula_on_every_backend(backend, alpha, beta):
+    bsr = random_bsr((16, 12), (4, 4), 0.4, empty_rows=(1,))
+    x = torch.randn(12, 8)
+    inp = torch.randn(16, 8)
+    for a in (bsr, random_bsr((16, 12), (4, 4), 0.0)):
+        expected = _addmm_as_written(inp, a.to_dense(), x, beta, alpha)
+        got = bsrkit.bsr_dense_addmm(inp, a, x, beta=beta, alpha=alpha)
+        torch.testing.assert_close(got, expected, equal_nan=True)
