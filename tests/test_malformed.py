@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from bsrkit import plans
+from bsrkit.validation import pattern_defect
 
 # (name, crow, col): blocks 2x2 of an 8x8 matrix (4 x 4 blocks), 4 values.
 CASES = [
@@ -85,19 +85,18 @@ def test_malformed_patterns_raise_on_every_op(backend):
 
 @pytest.mark.parametrize("name,crow,col", CASES[:-1], ids=[c[0] for c in CASES[:-1]])
 def test_pattern_defect_names_the_defect(name, crow, col):
-    defect = plans.pattern_defect(torch.tensor(crow), torch.tensor(col), 4, 4, 4)
+    defect = pattern_defect(torch.tensor(crow), torch.tensor(col), 4, 4, 4)
     assert defect is not None and defect.startswith("expected")
 
 
 def test_valid_patterns_pass_including_batches_and_empty():
     crow = torch.tensor([[0, 1, 1, 3], [0, 0, 2, 3]])
     col = torch.tensor([[2, 0, 1], [1, 2, 0]])
-    assert plans.pattern_defect(crow, col, 3, 3, 3) is None
+    assert pattern_defect(crow, col, 3, 3, 3) is None
     assert (
-        plans.pattern_defect(torch.zeros(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 3, 3, 0)
-        is None
+        pattern_defect(torch.zeros(4, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 3, 3, 0) is None
     )
-    assert "one dtype" in plans.pattern_defect(crow.int(), col, 3, 3, 3)
+    assert "one dtype" in pattern_defect(crow.int(), col, 3, 3, 3)
 
 
 def test_corrupted_checkpoint_is_refused_at_load():
@@ -125,3 +124,80 @@ def test_pattern_corrupted_in_place_is_caught_at_the_next_forward():
         layer.col_indices[0] = 10**9  # the version counter moves: the cached verdict is stale
     with pytest.raises(ValueError, match="malformed weight"):
         layer(torch.ones(1, 16))
+
+
+_INDICES_WORKER = textwrap.dedent(
+    """
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    import torch, bsrkit
+    results = []
+
+    def run(name, blocks, others, data, acc=None):
+        try:
+            bsrkit.scatter_mm(blocks, others, data, accumulators=acc)
+            got = "no error"
+        except ValueError as exc:
+            got = "ValueError: " + str(exc)
+        except Exception as exc:
+            got = type(exc).__name__ + ": " + str(exc)
+        results.append([name, got])
+
+    # "scatter_mm": blocks (3, 2, 2), others (4, 2, 3), 2 output tiles.
+    blocks, others = torch.randn(3, 2, 2), torch.randn(4, 2, 3)
+    good_c, good_pq = torch.tensor([0, 2, 3]), torch.tensor([[0, 1], [2, 3], [1, 0]])
+    fmt = "scatter_mm"
+    for name, c, pq in [
+        ("p out of range", good_c, torch.tensor([[3, 1], [2, 3], [1, 0]])),
+        ("p negative", good_c, torch.tensor([[-1, 1], [2, 3], [1, 0]])),
+        ("q out of range", good_c, torch.tensor([[0, 4], [2, 3], [1, 0]])),
+        ("q negative", good_c, torch.tensor([[0, -2], [2, 3], [1, 0]])),
+        ("c_offsets decreasing", torch.tensor([0, 3, 2]), good_pq),
+        ("c_offsets beyond pq", torch.tensor([0, 2, 9]), good_pq),
+        ("pq not (G, 2)", good_c, good_pq.reshape(-1)),
+    ]:
+        run("scatter_mm: " + name, blocks, others, (fmt, c, pq))
+
+    # strided formats from a valid 8 x 8 BSR (2 x 2 blocks), others (8, 4), then corrupted.
+    bsr = torch.eye(8).to_sparse_bsr(2)
+    other = torch.randn(8, 4)
+    for fmt in ("bsr_strided_mm", "bsr_strided_mm_compressed"):
+        data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt, SPLIT_N=2)
+        acc = torch.zeros(8, 4)
+        r_i, q_i = 2, len(data) - 2
+        def corrupt(i, fn):
+            d = list(data)
+            d[i] = fn(d[i].clone())
+            return tuple(d)
+        cases = [
+            ("r negative", corrupt(r_i, lambda t: t.sub_(100))),
+            ("r beyond the rows", corrupt(r_i, lambda t: t.add_(8 * 4))),
+            ("q negative", corrupt(q_i, lambda t: t.sub_(100))),
+            ("q beyond others", corrupt(q_i, lambda t: t.add_(8 * 4))),
+            ("SPLIT_N not dividing N", (*data[:-1], {**data[-1], "SPLIT_N": 3})),
+            ("c_indices too long", corrupt(1, lambda t: torch.cat([t, t[-1:] + 5]))),
+        ]
+        if fmt == "bsr_strided_mm":
+            cases.append(("p out of range", corrupt(3, lambda t: t.add_(50))))
+        else:
+            cases.append(("q_offsets too short", corrupt(q_i, lambda t: t[:2])))
+        for name, bad in cases:
+            run(fmt + ": " + name, bsr.values(), other, bad, acc.clone())
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_malformed_indices_data_raise(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    env = {**os.environ, "BSRKIT_BACKEND": backend, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _INDICES_WORKER], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, f"worker crashed ({proc.returncode}): {proc.stderr[-2000:]}"
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 7 + 2 * 7
+    for name, got in results:
+        assert got.startswith("ValueError: scatter_mm(): malformed indices_data: expected"), (name, got)

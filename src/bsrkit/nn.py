@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from bsrkit import custom_ops, plans
+from bsrkit import custom_ops
+from bsrkit.validation import pattern_defect
 
 __all__ = ["BSRLinear"]
 
@@ -159,7 +160,7 @@ class BSRLinear(nn.Module):
             assert crow is not None and col is not None and values is not None
             bo, bi = self.blocksize
             blocks = (self.out_features // bo, self.in_features // bi)
-            defect = plans.pattern_defect(crow, col, *blocks, values.shape[0])
+            defect = pattern_defect(crow, col, *blocks, values.shape[0])
             if defect is not None:
                 raise ValueError(
                     f"BSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices and "

@@ -270,20 +270,31 @@ def scatter_mm(
     if fmt == "scatter_mm":
         if others.ndim != 3 or others.shape[1] != Ks:
             raise ValueError(f"{op}(): expected others of shape (Q, {Ks}, Ns), got {tuple(others.shape)}")
-        R = indices_data[1].numel() - 1
-        acc_shape: tuple[int, ...] = (R, Ms, others.shape[2])
+        c_offsets = indices_data[1] if len(indices_data) > 1 else None
+        R = c_offsets.numel() - 1 if isinstance(c_offsets, torch.Tensor) else 0  # (else: refused below)
+        acc_shape: tuple[int, ...] = (max(R, 0), Ms, others.shape[2])
     else:
         K, N = others.shape[-2:]
         if K % Ks:
             raise ValueError(f"{op}(): expected others.shape[-2] divisible by Ks == {Ks}, got {K}")
-        r_offsets = indices_data[2]
-        M = Ms + int(r_offsets.max()) // N if r_offsets.numel() else Ms
-        M = accumulators.shape[-2] if accumulators is not None else M
+        r_offsets = indices_data[2] if len(indices_data) > 2 else None
+        if accumulators is not None:
+            M = accumulators.shape[-2]
+        elif isinstance(r_offsets, torch.Tensor) and r_offsets.numel() and N:
+            M = Ms + max(int(r_offsets.max()), 0) // N  # as torch: the rows the tiles reach
+        else:
+            M = Ms
         acc_shape = (*others.shape[:-2], M, N)
     if accumulators is None:
         accumulators = torch.zeros(acc_shape, dtype=blocks.dtype, device=blocks.device)
     else:
         check_out(op, accumulators, acc_shape, blocks.dtype, blocks.device)
+    if accumulators.numel() == 0:
+        return accumulators
+    try:  # once per indices data: every offset stays inside the operands
+        plans.check_indices_data(indices_data, blocks.shape[0], Ms, Ks, tuple(others.shape), acc_shape)
+    except plans.MalformedPatternError as exc:
+        raise ValueError(f"{op}(): malformed indices_data: {exc}") from None
     backend = dispatch.select(op, "scatter_mm", blocks.device, blocks.dtype)
     dispatch.scatter_mm(op, backend, blocks, others, indices_data, accumulators)
     return accumulators

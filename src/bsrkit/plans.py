@@ -16,6 +16,7 @@ import torch
 
 from bsrkit.cache import CacheInfo, weak_lru_cache
 from bsrkit.keys import TensorKey
+from bsrkit.validation import indices_data_defect, pattern_defect
 
 __all__ = [
     "CpuMMPlan",
@@ -24,9 +25,9 @@ __all__ = [
     "block_rows",
     "cache_clear",
     "cache_info",
+    "check_indices_data",
     "check_pattern",
     "cpu_mm_plan",
-    "pattern_defect",
     "scatter_mm_indices",
     "transpose_plan",
 ]
@@ -88,46 +89,24 @@ def check_pattern(source: Source, block_rows: int, block_cols: int, nnz: int) ->
     _plan("check", source, block_rows, block_cols, nnz)
 
 
-def pattern_defect(
-    crow: torch.Tensor, col: torch.Tensor, block_rows: int, block_cols: int, nnz: int
-) -> str | None:
-    """What is wrong with ``(crow, col)`` as the indices of a BSR tensor of ``block_rows x block_cols``
-    blocks and ``nnz`` stored blocks per batch, or None when nothing is.
-
-    A valid pattern has integer (int32 or int64) indices with equal batch shapes; ``crow`` has
-    ``block_rows + 1`` entries, starts at 0, never decreases and ends at ``nnz``; ``col`` has ``nnz``
-    entries, each in ``[0, block_cols)``. (Columns need not be sorted within a row: every kernel sums
-    what is stored.)"""
-    if crow.dtype not in (torch.int32, torch.int64) or col.dtype != crow.dtype:
-        return (
-            f"expected crow_indices and col_indices of one dtype, int32 or int64, got {crow.dtype} and "
-            f"{col.dtype}"
-        )
-    if crow.ndim < 1 or col.ndim != crow.ndim or crow.shape[:-1] != col.shape[:-1]:
-        return (
-            f"expected crow_indices and col_indices with equal batch dimensions, got shapes "
-            f"{tuple(crow.shape)} and {tuple(col.shape)}"
-        )
-    if crow.shape[-1] != block_rows + 1:
-        return f"expected crow_indices.shape[-1] == {block_rows + 1} (block rows + 1), got {crow.shape[-1]}"
-    if col.shape[-1] != nnz:
-        return f"expected col_indices.shape[-1] == {nnz} (nnz), got {col.shape[-1]}"
-    if crow.numel() == 0:
-        return None
-    crow2 = crow.reshape(-1, block_rows + 1)
-    if bool((crow2[:, 0] != 0).any()):
-        return f"expected crow_indices[..., 0] == 0, got {crow2[:, 0].tolist()[:8]}"
-    if bool((crow2[:, -1] != nnz).any()):
-        return f"expected crow_indices[..., -1] == {nnz} (nnz), got {crow2[:, -1].tolist()[:8]}"
-    if block_rows and bool((crow2.diff(dim=1) < 0).any()):
-        row = int((crow2.diff(dim=1) < 0).nonzero()[0, 1])
-        return f"expected non-decreasing crow_indices, got a decrease after block row {row}"
-    if nnz and col.numel():
-        lo, hi = int(col.min()), int(col.max())
-        if lo < 0 or hi >= block_cols:
-            bad = lo if lo < 0 else hi
-            return f"expected col_indices in [0, {block_cols}) (block columns), got {bad}"
-    return None
+def check_indices_data(
+    indices_data: tuple[Any, ...], P: int, Ms: int, Ks: int, others: tuple[int, ...], acc: tuple[int, ...]
+) -> None:
+    """Raise :class:`MalformedPatternError` unless ``indices_data`` keeps every ``scatter_mm`` access
+    inside blocks ``(P, Ms, Ks)``, ``others`` and ``accumulators`` of these shapes (see
+    :func:`bsrkit.validation.indices_data_defect`); the verdict is cached on the index tensors."""
+    tensors = tuple(t for t in indices_data[1:] if isinstance(t, torch.Tensor))
+    if len(tensors) != len(indices_data) - 1 - isinstance(indices_data[-1], dict) or any(
+        t.is_inference() for t in tensors
+    ):  # not tensors (the checker names what is wrong), or no version counter to key on: check now
+        _build_check_indices(indices_data, P, Ms, Ks, others, acc)
+        return
+    meta = indices_data[-1] if isinstance(indices_data[-1], dict) else {}
+    split_n = 0 if indices_data[0] == "scatter_mm" else meta.get("SPLIT_N")
+    if not isinstance(split_n, int) or isinstance(split_n, bool):
+        _build_check_indices(indices_data, P, Ms, Ks, others, acc)  # raises: a malformed meta
+        return
+    _plan("check_indices", indices_data[0], tensors, split_n, P, Ms, Ks, tuple(others), tuple(acc))
 
 
 def cpu_mm_plan(source: Source, transposed_block_cols: int = 0) -> CpuMMPlan:
@@ -168,6 +147,18 @@ def _build_check(source: Source, block_rows: int, block_cols: int, nnz: int) -> 
     if defect is not None:
         raise MalformedPatternError(defect)
     return True
+
+
+def _build_check_indices(indices_data: tuple[Any, ...], *extents: Any) -> bool:
+    defect = indices_data_defect(indices_data, *extents)
+    if defect is not None:
+        raise MalformedPatternError(defect)
+    return True
+
+
+def _check_indices_from_key(fmt: str, tensors: tuple[torch.Tensor, ...], split_n: int, *extents: Any) -> bool:
+    meta = () if fmt == "scatter_mm" else ({"SPLIT_N": split_n},)
+    return _build_check_indices((fmt, *tensors, *meta), *extents)
 
 
 def _build_cpu_mm(source: Source, transposed_block_cols: int) -> CpuMMPlan:
@@ -270,6 +261,7 @@ def _build_scatter_mm(
 
 _BUILDERS = {
     "check": _build_check,
+    "check_indices": _check_indices_from_key,
     "cpu_mm": _build_cpu_mm,
     "scatter_mm": _build_scatter_mm,
     "transpose": _build_transpose,

@@ -26,6 +26,8 @@ __all__ = [
     "check_same_dtype",
     "check_scalar",
     "check_strided",
+    "indices_data_defect",
+    "pattern_defect",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -126,6 +128,162 @@ def check_max_grid(op: str, max_grid: Any) -> None:
             f"{op}(): expected max_grid to be None or a tuple of three positive ints or Nones, "
             f"got {max_grid!r}"
         )
+
+
+def pattern_defect(
+    crow: torch.Tensor, col: torch.Tensor, block_rows: int, block_cols: int, nnz: int
+) -> str | None:
+    """What is wrong with ``(crow, col)`` as the indices of a BSR tensor of ``block_rows x block_cols``
+    blocks and ``nnz`` stored blocks per batch, or None when nothing is.
+
+    A valid pattern has integer (int32 or int64) indices with equal batch shapes; ``crow`` has
+    ``block_rows + 1`` entries, starts at 0, never decreases and ends at ``nnz``; ``col`` has ``nnz``
+    entries, each in ``[0, block_cols)``. (Columns need not be sorted within a row: every kernel sums
+    what is stored.)"""
+    if crow.dtype not in (torch.int32, torch.int64) or col.dtype != crow.dtype:
+        return (
+            f"expected crow_indices and col_indices of one dtype, int32 or int64, got {crow.dtype} and "
+            f"{col.dtype}"
+        )
+    if crow.ndim < 1 or col.ndim != crow.ndim or crow.shape[:-1] != col.shape[:-1]:
+        return (
+            f"expected crow_indices and col_indices with equal batch dimensions, got shapes "
+            f"{tuple(crow.shape)} and {tuple(col.shape)}"
+        )
+    if crow.shape[-1] != block_rows + 1:
+        return f"expected crow_indices.shape[-1] == {block_rows + 1} (block rows + 1), got {crow.shape[-1]}"
+    if col.shape[-1] != nnz:
+        return f"expected col_indices.shape[-1] == {nnz} (nnz), got {col.shape[-1]}"
+    if crow.numel() == 0:
+        return None
+    crow2 = crow.reshape(-1, block_rows + 1)
+    if bool((crow2[:, 0] != 0).any()):
+        return f"expected crow_indices[..., 0] == 0, got {crow2[:, 0].tolist()[:8]}"
+    if bool((crow2[:, -1] != nnz).any()):
+        return f"expected crow_indices[..., -1] == {nnz} (nnz), got {crow2[:, -1].tolist()[:8]}"
+    if block_rows and bool((crow2.diff(dim=1) < 0).any()):
+        row = int((crow2.diff(dim=1) < 0).nonzero()[0, 1])
+        return f"expected non-decreasing crow_indices, got a decrease after block row {row}"
+    if nnz and col.numel():
+        lo, hi = int(col.min()), int(col.max())
+        if lo < 0 or hi >= block_cols:
+            bad = lo if lo < 0 else hi
+            return f"expected col_indices in [0, {block_cols}) (block columns), got {bad}"
+    return None
+
+
+def _index_vector(name: str, t: Any) -> str | None:
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+        return f"expected {name} to be a strided tensor, got {type(t).__name__}"
+    if t.dtype not in (torch.int32, torch.int64):
+        return f"expected {name} of dtype int32 or int64, got {t.dtype}"
+    return None
+
+
+def _offsets_defect(name: str, offsets: torch.Tensor, count: int, limit: int) -> str | None:
+    """``offsets`` (compressed, like crow): ``count + 1`` entries, non-negative, non-decreasing, <= limit."""
+    if offsets.ndim != 1 or offsets.numel() != count + 1:
+        return f"expected {name} of shape ({count + 1},), got {tuple(offsets.shape)}"
+    if count >= 0 and offsets.numel():
+        if int(offsets[0]) < 0 or bool((offsets.diff() < 0).any()):
+            return f"expected non-negative, non-decreasing {name}"
+        if int(offsets[-1]) > limit:
+            return f"expected {name}[-1] <= {limit}, got {int(offsets[-1])}"
+    return None
+
+
+def _range_defect(name: str, values: torch.Tensor, limit: int) -> str | None:
+    if values.numel() and (int(values.min()) < 0 or int(values.max()) >= limit):
+        bad = int(values.min()) if int(values.min()) < 0 else int(values.max())
+        return f"expected {name} in [0, {limit}), got {bad}"
+    return None
+
+
+def _tile_defect(name: str, offsets: torch.Tensor, N: int, rows: int, cols: int, R: int) -> str | None:
+    """Offsets ``o`` of (rows x cols) tiles at (o // N, o % N) inside an (R x N) matrix."""
+    if not offsets.numel():
+        return None
+    o = offsets.long()
+    if int(o.min()) < 0:
+        return f"expected non-negative {name}, got {int(o.min())}"
+    if int((o // N).max()) + rows > R or int((o % N).max()) + cols > N:
+        return f"expected {name} of ({rows} x {cols}) tiles inside a ({R} x {N}) matrix"
+    return None
+
+
+def indices_data_defect(
+    indices_data: tuple[Any, ...], P: int, Ms: int, Ks: int, others: tuple[int, ...], acc: tuple[int, ...]
+) -> str | None:
+    """What is wrong with ``indices_data`` of ``scatter_mm`` for ``P`` blocks ``(Ms, Ks)``, ``others`` and
+    ``accumulators`` of the given shapes, or None: every offset must stay inside its operand, so that no
+    kernel reads or writes outside them (semantics in :func:`bsrkit.ops.scatter_mm`)."""
+    fmt = indices_data[0]
+    if fmt == "scatter_mm":
+        if len(indices_data) != 3:
+            return f"expected (format, c_offsets, pq), got {len(indices_data)} items"
+        c_offsets, pq = indices_data[1:]
+        for name, t in (("c_offsets", c_offsets), ("pq", pq)):
+            defect = _index_vector(name, t)
+            if defect:
+                return defect
+        if pq.ndim != 2 or pq.shape[-1] != 2:
+            return f"expected pq of shape (G, 2), got {tuple(pq.shape)}"
+        defect = _offsets_defect("c_offsets", c_offsets, acc[0], pq.shape[0])
+        if defect or not c_offsets.numel():
+            return defect
+        used = pq[int(c_offsets[0]) : int(c_offsets[-1])]
+        return _range_defect("pq[:, 0] (blocks)", used[:, 0], P) or _range_defect(
+            "pq[:, 1] (others)", used[:, 1], others[0]
+        )
+    compressed = fmt == "bsr_strided_mm_compressed"
+    expected_len = 5 if compressed else 6
+    if len(indices_data) != expected_len or not isinstance(indices_data[-1], dict):
+        return f"expected {expected_len} items ending with the meta dict, got {len(indices_data)}"
+    meta = indices_data[-1]
+    split_n = meta.get("SPLIT_N")
+    K, N = others[-2:]
+    M = acc[-2]
+    if not isinstance(split_n, int) or split_n < 1 or (N and N % split_n):
+        return f"expected meta['SPLIT_N'] to be a positive divisor of N == {N}, got {split_n!r}"
+    Ns = N // split_n
+    names = (
+        ("c_indices", "r_offsets", "q_offsets")
+        if compressed
+        else ("c_indices", "r_offsets", "p_offsets", "q_offsets")
+    )
+    tensors = indices_data[1:-1]
+    for name, t in zip(names, tensors, strict=True):
+        defect = _index_vector(name, t) or (None if t.ndim == 1 else f"expected {name} to be 1-D")
+        if defect:
+            return defect
+    c_indices, r_offsets, q_offsets = tensors[0], tensors[1], tensors[-1]
+    defect = _tile_defect("r_offsets", r_offsets, N, Ms, Ns, M) or _tile_defect(
+        "q_offsets", q_offsets, N, Ks, Ns, K
+    )
+    if defect:
+        return defect
+    if not compressed:
+        p_offsets = tensors[2]
+        limit = min(p_offsets.numel(), q_offsets.numel())
+        return _offsets_defect("c_indices", c_indices, r_offsets.numel(), limit) or _range_defect(
+            "p_offsets",
+            p_offsets[int(c_indices[0]) : int(c_indices[-1])] if c_indices.numel() else p_offsets,
+            P,
+        )
+    defect = _offsets_defect("c_indices", c_indices, c_indices.numel() - 1, P)
+    if defect or not r_offsets.numel():
+        return defect
+    r = r_offsets.long()
+    m = (r // N) // Ms
+    if int(m.max()) >= c_indices.numel() - 1:
+        return f"expected r_offsets within the {c_indices.numel() - 1} block rows of c_indices"
+    n = (r % N) // Ns
+    c = c_indices.long()
+    c0, c1 = c[m], c[m + 1]
+    last = n * c1 + (split_n - n) * c0 + (c1 - c0) - 1  # the last q_offsets item a tile reads
+    if bool(((c1 > c0) & (last >= q_offsets.numel())).any()):
+        return f"expected q_offsets with at least {int(last.max()) + 1} items, got {q_offsets.numel()}"
+    return None
 
 
 def _names(dtypes: tuple[torch.dtype, ...]) -> str:
