@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["DTYPES", "assert_close", "random_bsr", "tolerances"]
@@ -52,7 +54,7 @@ def random_bsr(
     for c in empty_cols:
         mask[..., :, c] = False
     if batch:  # batched BSR needs the same nnz in every batch: use the first pattern everywhere
-        mask = mask.reshape(-1, *mask.shape[-2:])[:1].expand(*batch, -1, -1)
+        mask = mask.reshape(math.prod(batch), *mask.shape[-2:])[:1].expand(*batch, -1, -1)
     if integers:
         vals = torch.randint(-3, 4, (*batch, M, K), generator=generator).to(dtype)
     else:
@@ -67,11 +69,12 @@ def _to_bsr(dense: torch.Tensor, mask: torch.Tensor, blocksize: tuple[int, int])
     """BSR with exactly the blocks in ``mask`` stored (zeros inside stored blocks are kept)."""
     *batch, MB, KB = mask.shape
     Ms, Ks = blocksize
-    flat_mask = mask.reshape(-1, MB, KB)[0]
+    nb = math.prod(batch)  # (explicit: -1 is ambiguous for zero block rows)
+    flat_mask = mask.reshape(nb, MB, KB)[0]
     crow = torch.zeros(MB + 1, dtype=torch.int64)
     crow[1:] = flat_mask.sum(1).cumsum(0)
     rows, cols = flat_mask.nonzero(as_tuple=True)
-    blocks = dense.reshape(-1, MB, Ms, KB, Ks).transpose(-3, -2)  # (B, MB, KB, Ms, Ks)
+    blocks = dense.reshape(nb, MB, Ms, KB, Ks).transpose(-3, -2)  # (B, MB, KB, Ms, Ks)
     values = blocks[:, rows, cols]  # (B, nnz, Ms, Ks)
     nb = values.shape[0]
     if batch:
