@@ -48,15 +48,18 @@ class TensorKey:
     """Hashable key of a tensor by memory identity, alive exactly as long as the memory it names.
 
     * strided tensors (any dtype, any device, meta and fake included): ``(device, dtype, storage identity,
-      data_ptr, storage_offset, shape, stride, is_conj, is_neg, layout)``;
+      storage_offset, shape, stride, is_conj, is_neg, layout)``;
     * sparse compressed tensors (CSR/CSC/BSR/BSC): ``(layout, device, shape, blocksize, identity of the
       compressed indices, identity of the plain indices)`` (flattened), an index identity being
-      ``(storage identity, data_ptr, storage_offset, shape, stride, dtype)``. The values are deliberately
+      ``(storage identity, storage_offset, shape, stride, dtype)``. The values are deliberately
       not part of the key: what is cached for a sparse tensor (a *plan*) depends on its sparsity pattern
       only, so a BSR tensor rebuilt from the same index tensors with new values has the same key.
 
-    The storage identity is the storage's Python object (``t.untyped_storage()``), held weakly. It keeps
-    apart two live meta or fake tensors with equal metadata (their ``data_ptr()`` is 0).
+    The storage identity is the storage's Python object (``t.untyped_storage()``), held weakly; with the
+    offset, shape, strides and dtype it names the memory exactly, so no ``data_ptr()`` is read. It keeps
+    apart two live meta or fake tensors with equal metadata (their ``data_ptr()`` is 0, and FakeTensor
+    warns on reading it). A storage that is resized keeps its identity, and its contents: what was derived
+    from them stays valid.
 
     **Lifetime.** A key is *alive* while the storages it names are (for a sparse key, those of both index
     tensors): while any tensor at all uses that memory, not only the tensor the key was made from. While
@@ -90,10 +93,13 @@ class TensorKey:
             raise TypeError(f"TensorKey(): expected a torch.Tensor, got {type(tensor).__name__}")
         layout = tensor.layout
         if layout is _STRIDED:
-            storage = _storage(tensor)
+            try:  # _storage(), inlined: this runs on every cache lookup
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                storage = tensor
             # The conj and neg bits change what the same memory means, so they are part of the identity.
             self._identity: tuple[Any, ...] = (
-                tensor.device, tensor.dtype, id(storage), tensor.data_ptr(), tensor.storage_offset(),
+                tensor.device, tensor.dtype, id(storage), tensor.storage_offset(),
                 tensor.shape, tensor.stride(), tensor.is_conj(), tensor.is_neg(), _STRIDED,
             )  # fmt: skip
             self._anchors: tuple[weakref.ref[Any], ...] = (_ref(storage),)
@@ -116,13 +122,16 @@ class TensorKey:
                 # values: (*batch, nnz, *blocksize, *dense_dims); batch ndim = c.ndim - 1
                 nb = c.dim()
                 blocksize = (tensor.values() if values is None else values).shape[nb : nb + 2]
-            cs, ps = _storage(c), _storage(p)
+            try:
+                cs, ps = c.untyped_storage(), p.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                cs, ps = _storage(c), _storage(p)
             # One flat tuple (it is hashed and compared on every cache lookup). Index tensors are integer,
             # strided and on the sparse tensor's device; the conj/neg bits never apply to them.
             self._identity = (
                 layout, tensor.device, tensor.shape, blocksize,
-                id(cs), c.data_ptr(), c.storage_offset(), c.shape, c.stride(), c.dtype,
-                id(ps), p.data_ptr(), p.storage_offset(), p.shape, p.stride(), p.dtype,
+                id(cs), c.storage_offset(), c.shape, c.stride(), c.dtype,
+                id(ps), p.storage_offset(), p.shape, p.stride(), p.dtype,
             )  # fmt: skip
             self._anchors = (_ref(cs), _ref(ps))
             self.version = () if tensor.is_inference() else (c._version, p._version)
