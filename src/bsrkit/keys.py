@@ -93,6 +93,7 @@ class TensorKey:
             raise TypeError(f"TensorKey(): expected a torch.Tensor, got {type(tensor).__name__}")
         layout = tensor.layout
         if layout is _STRIDED:
+            storage: Any
             try:  # _storage(), inlined: this runs on every cache lookup
                 storage = tensor.untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -122,6 +123,8 @@ class TensorKey:
                 # values: (*batch, nnz, *blocksize, *dense_dims); batch ndim = c.ndim - 1
                 nb = c.dim()
                 blocksize = (tensor.values() if values is None else values).shape[nb : nb + 2]
+            cs: Any
+            ps: Any
             try:
                 cs, ps = c.untyped_storage(), p.untyped_storage()
             except (RuntimeError, NotImplementedError):
