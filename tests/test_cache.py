@@ -375,3 +375,30 @@ def test_prebuilt_key_argument_shares_the_entry_and_its_lifetime():
     ref = weakref.ref(x)
     del x, first
     assert ref() is None and f.cache_info().currsize == 0
+
+
+def test_evicted_values_die_outside_the_lock():
+    """A value's destructor may run any code, even a call of the same cache: dropping values (eviction,
+    cache_clear) must not deadlock."""
+    log = []
+
+    class Finalized:
+        def __del__(self):
+            log.append(f(torch.ones(1)))  # a call of the same cache, from a destructor
+
+    @weak_lru_cache(maxsize=1)
+    def f(t):
+        return Finalized() if t.numel() == 2 else t.numel()
+
+    def run():
+        a, b = torch.ones(2), torch.ones(3)
+        f(a)
+        f(b)  # evicts a's value; its destructor calls f
+        f(a)
+        f.cache_clear()  # drops a's value again
+        log.append("done")
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(10)
+    assert log == [1, 1, "done"]

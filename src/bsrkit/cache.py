@@ -189,16 +189,21 @@ class _CacheState:
                 self.dead_evictions += 1
             dead.popleft()
 
-    def _evict(self) -> None:
-        """Enforce maxsize and maxbytes, least recently used first. Lock held."""
+    def _evict(self) -> list[_Entry]:
+        """Enforce maxsize and maxbytes, least recently used first. Lock held. Returns the evicted
+        entries, for the caller to drop after releasing the lock (a value's destructor may run any code,
+        even code that calls this cache)."""
         entries = self.entries
+        evicted = []
         if self.maxsize is not None:
             while len(entries) > self.maxsize:
-                entries.popitem(last=False)
+                evicted.append(entries.popitem(last=False)[1])
         if self.maxbytes is not None:
             total = sum(e.nbytes for e in entries.values())
             while entries and total > self.maxbytes:
-                total -= entries.popitem(last=False)[1].nbytes
+                evicted.append(entries.popitem(last=False)[1])
+                total -= evicted[-1].nbytes
+        return evicted
 
     # -- the memoized call ------------------------------------------------------------------------
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -294,9 +299,10 @@ class _CacheState:
             if self.dead:
                 self._sweep()
             # Pop first: assigning over an equal key would keep the old key object, not the notices'.
-            self.entries.pop(key, None)  # a stale entry (its version moved) is replaced
+            stale = self.entries.pop(key, None)  # a stale entry (its version moved) is replaced
             self.entries[key] = entry
-            self._evict()
+            evicted = self._evict()
+        del stale, evicted  # their values die here, outside the lock
 
     def info(self) -> CacheInfo:
         with self.lock:
@@ -314,9 +320,10 @@ class _CacheState:
 
     def clear(self) -> None:
         with self.lock:
-            self.entries.clear()
+            dropped, self.entries = self.entries, OrderedDict()
             self.dead.clear()
             self.hits = self.misses = self.dead_evictions = 0
+        del dropped  # the values die here, outside the lock
 
 
 class _Uncacheable(Exception):
