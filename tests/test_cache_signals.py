@@ -177,3 +177,31 @@ def test_random_sigint_storm_leaves_caches_usable_and_consistent(tmp_path: Path,
     assert "OK " in result.stdout, output[-4000:]
     interrupts = int(result.stdout.split("interrupts=")[1].split()[0])
     assert interrupts >= 100, f"too few interrupts to mean anything: {result.stdout}"
+    # An interrupt swallowed in a weakref callback means Python code ran there (the previous design).
+    assert "in_callbacks=0" in result.stdout, result.stdout
+
+
+def test_weakref_callbacks_run_no_python_code() -> None:
+    """What makes the callbacks uninterruptible: C functions, with no bytecode to interrupt, no lock."""
+    import functools
+    import types
+
+    import torch
+
+    from bsrkit import weak_lru_cache
+
+    @weak_lru_cache()
+    def f(t, u):
+        return t + u
+
+    x, y = torch.ones(2), torch.zeros(2)
+    value = f(x, y)
+    (entry,) = f._cache_state.entries.values()
+    assert len(entry.refs) == 4  # two storages, two callbacks each
+    for ref in entry.refs:
+        callback = ref.__callback__
+        assert not isinstance(callback, types.FunctionType | types.MethodType)
+        assert isinstance(callback, functools.partial | types.BuiltinMethodType)
+    del y
+    assert f.cache_info().currsize == 0
+    assert torch.equal(value, torch.ones(2))  # the caller's reference is unaffected
