@@ -1,5 +1,7 @@
 """Cost of TensorKey creation and of a cache hit, next to functools.lru_cache and torch's plan cache.
 
+Medians of 7 runs per row; the machine may be shared, so compare rows of one run, not runs.
+
 .venv/bin/python benchmarks/cache_overhead.py
 """
 
@@ -44,11 +46,22 @@ def main() -> None:
     print(f"functools.lru_cache hit (int arg):       {us(lambda: plain(1)):6.2f} us")
     print(f"functools.lru_cache hit (TensorKey arg): {us(lambda: plain(TensorKey(t))):6.2f} us")
     print(f"weak_lru_cache hit (strided tensor):     {us(lambda: weak(t)):6.2f} us")
+    # A view re-created on each call finds the entry of its memory (a miss per call before issue 13).
+    print(f"weak_lru_cache, view re-created per call: {us(lambda: weak(t[0])):6.2f} us")
     plans.cpu_mm_plan(bsr)
     print(f"bsrkit plan-cache hit (bsr):             {us(lambda: plans.cpu_mm_plan(bsr)):6.2f} us")
     members = (bsr.crow_indices(), bsr.col_indices(), bsr.values())  # a product fetches these anyway
     in_product = us(lambda: plans.cpu_mm_plan(TensorKey(bsr, members=members)))
     print(f"bsrkit plan-cache hit inside a product:  {in_product:6.2f} us")
+    # A training loop that rebuilds its BSR weight every step from the same index tensors.
+    crow, col, values = members
+
+    def rebuilt_lookup():
+        b = torch.sparse_bsr_tensor(crow, col, values, size=bsr.shape, check_invariants=False)
+        return plans.cpu_mm_plan(TensorKey(b, members=(crow, col, values)))
+
+    rebuilt = us(rebuilt_lookup, number=2000)
+    print(f"plan lookup, BSR rebuilt per call:       {rebuilt:6.2f} us (includes the constructor)")
     bsrkit.bsr_scatter_mm_indices_data(bsr, x)
     print(
         "bsrkit.bsr_scatter_mm_indices_data hit:  "

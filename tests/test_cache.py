@@ -111,7 +111,7 @@ def test_value_referencing_its_argument_is_refused():
         return {"a": [t]}
 
     for f in (same, view, in_dict):
-        with pytest.raises(ValueError, match="keep that tensor alive forever"):
+        with pytest.raises(ValueError, match="keep that memory alive forever"):
             f(torch.ones(2))
         assert f.cache_info().currsize == 0
 
@@ -255,19 +255,18 @@ def test_exception_reaches_every_waiter_and_nothing_is_cached():
     assert boom.cache_info().currsize == 0
 
 
-def test_callback_while_lock_held_by_same_thread_does_not_deadlock():
+def test_death_while_lock_held_by_same_thread_releases_the_value_and_queues_the_entry():
     f, _ = counting()
     t = torch.ones(3)
-    f(t)
+    value = weakref.ref(f(t))
     state = f._cache_state
-    state.lock.acquire()  # as if the collector ran inside a cache operation of this thread
-    try:
-        del t  # the weakref callback runs now, with the lock held
-        assert state.dead  # queued, not removed: removing needs the lock
-    finally:
-        state._release()  # the holder applies queued removals before releasing
-    assert f.cache_info().currsize == 0
-    assert f.cache_info().dead_evictions == 1
+    with state.lock:  # as if the tensor died inside a cache operation of this thread
+        del t  # the weakref callbacks run now, with the lock held: C functions, no lock taken
+        assert value() is None  # the value is released at once
+        assert len(state.dead) == 1 and len(state.entries) == 1  # the entry waits for the lock
+    info = f.cache_info()  # the next lock holder removes it
+    assert (info.currsize, info.nbytes, info.dead_evictions) == (0, 0, 1)
+    assert not state.dead and not state.entries
 
 
 def test_reference_cycles_collected_by_gc_evict():
@@ -376,3 +375,30 @@ def test_prebuilt_key_argument_shares_the_entry_and_its_lifetime():
     ref = weakref.ref(x)
     del x, first
     assert ref() is None and f.cache_info().currsize == 0
+
+
+def test_evicted_values_die_outside_the_lock():
+    """A value's destructor may run any code, even a call of the same cache: dropping values (eviction,
+    cache_clear) must not deadlock."""
+    log = []
+
+    class Finalized:
+        def __del__(self):
+            log.append(f(torch.ones(1)))  # a call of the same cache, from a destructor
+
+    @weak_lru_cache(maxsize=1)
+    def f(t):
+        return Finalized() if t.numel() == 2 else t.numel()
+
+    def run():
+        a, b = torch.ones(2), torch.ones(3)
+        f(a)
+        f(b)  # evicts a's value; its destructor calls f
+        f(a)
+        f.cache_clear()  # drops a's value again
+        log.append("done")
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(10)
+    assert log == [1, 1, "done"]

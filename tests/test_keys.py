@@ -128,3 +128,129 @@ def test_key_from_members_equals_key_from_tensor():
     assert k == TensorKey(s) and hash(k) == hash(TensorKey(s))
     assert k.version == TensorKey(s).version
     assert k != TensorKey(torch.eye(6).to_sparse_bsr((3, 2)))
+
+
+# -- lifetime = the memory's, not one Python wrapper's ---------------------------------------------------
+
+
+def _bsr_from(crow, col, seed=0):
+    values = torch.randn(col.shape[0], 2, 2, generator=torch.Generator().manual_seed(seed))
+    return torch.sparse_bsr_tensor(crow, col, values, size=(4, 4))
+
+
+def test_rebuilt_bsr_has_the_key_of_its_index_memory():
+    crow, col = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    first = _bsr_from(crow, col)
+    k = TensorKey(first)
+    del first  # the wrapper dies; the index memory lives on in crow and col
+    assert k.obj is None and k.alive
+    for step in range(3):  # a new BSR object with new values every step
+        b = _bsr_from(crow, col, seed=step)
+        assert TensorKey(b) == k and hash(TensorKey(b)) == hash(k)
+    # Other index memory with equal contents is another key.
+    assert TensorKey(_bsr_from(crow.clone(), col)) != k
+    assert TensorKey(_bsr_from(crow, col.clone())) != k
+
+
+def test_views_recreated_per_call_have_one_key():
+    x = torch.arange(12.0).reshape(3, 4)
+    k = TensorKey(x[0])  # the view object dies at once
+    assert k.obj is None and k.alive
+    assert TensorKey(x[0]) == k
+    assert TensorKey(x[1]) != k
+    s = torch.eye(4).to_sparse_bsr((2, 2))
+    kc = TensorKey(s.crow_indices())
+    assert TensorKey(s.crow_indices()) == kc
+
+
+def test_key_dies_with_the_last_tensor_on_its_memory_not_the_first():
+    x = torch.arange(6.0)
+    k = TensorKey(x)
+    tail = x[2:]
+    del x
+    assert k.alive  # the storage lives in the view
+    assert TensorKey(tail.view(-1).as_strided((6,), (1,), 0)) == k  # same memory, viewed as x was
+    del tail  # no gc.collect(): reference counting alone ends the key
+    assert not k.alive and k != TensorKey(torch.arange(6.0))
+
+
+def test_sparse_key_dies_with_either_index_storage():
+    crow, col = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    k = TensorKey(_bsr_from(crow, col))
+    keep = k  # a dead key equals only itself
+    del col
+    assert not k.alive and k == keep
+    assert k != TensorKey(_bsr_from(crow, torch.tensor([0, 1])))
+    assert "dead" in repr(k)
+
+
+def test_dead_keys_of_one_memory_differ():
+    x = torch.ones(4)
+    k1, k2 = TensorKey(x), TensorKey(x[:])
+    assert k1 == k2
+    del x
+    assert k1 != k2 and k1 == k1 and k2 == k2
+
+
+@pytest.mark.parametrize("device", ["meta", "fake"])
+def test_live_meta_and_fake_tensors_with_equal_metadata_differ(device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def make():
+        if device == "meta":
+            return torch.empty(4, 4, device="meta")
+        with FakeTensorMode():
+            return torch.empty(4, 4)
+
+    a, b = make(), make()
+    if device == "meta":  # (FakeTensor warns on data_ptr(); it is 0 as well)
+        assert a.data_ptr() == b.data_ptr() == 0  # what the storage identity has to make up for
+    assert TensorKey(a) != TensorKey(b)
+    assert TensorKey(a) == TensorKey(a.view(16).view(4, 4))  # same storage, same view
+    assert TensorKey(a) != TensorKey(a[1:])
+    k = TensorKey(a)
+    del a
+    assert not k.alive
+
+
+def test_version_is_shared_by_views_recreated_per_call():
+    x = torch.zeros(3, 4)
+    v0 = TensorKey(x[0]).version
+    x[2].add_(1)  # through another view: one counter for the whole view family
+    assert TensorKey(x[0]).version != v0
+
+
+def test_change_through_another_version_counter_is_invisible():
+    """Documented limitation (torch's): the sparse constructor gives the indices a fresh counter."""
+    crow, col = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    b = _bsr_from(crow, col)
+    v0 = TensorKey(b).version
+    col.add_(0)  # col's counter moves; b's copy of the counter does not
+    assert TensorKey(b).version == v0
+    b.col_indices().add_(0)  # through the sparse tensor's own accessor: seen
+    assert TensorKey(b).version != v0
+
+
+def test_tensor_without_storage_falls_back_to_its_own_lifetime():
+    class NoStorage(torch.Tensor):
+        def untyped_storage(self):
+            raise RuntimeError("no storage")
+
+    t = torch.ones(3).as_subclass(NoStorage)
+    k = TensorKey(t)
+    assert k == TensorKey(t) and k.alive
+    assert k != TensorKey(t.view(3))  # another object: nothing says it is the same memory
+    del t
+    assert not k.alive
+
+
+def test_anchors_are_the_storages():
+    x = torch.ones(3)
+    assert TensorKey(x[1:]).anchors() == (x.untyped_storage(),)
+    s = torch.eye(4).to_sparse_bsr((2, 2))
+    anchors = TensorKey(s).anchors()
+    assert anchors is not None and len(anchors) == 2
+    assert anchors[0] is s.crow_indices().untyped_storage()
+    assert anchors[1] is s.col_indices().untyped_storage()
+    k = TensorKey(torch.ones(2))
+    assert k.anchors() is None

@@ -1,20 +1,37 @@
-"""LRU memoization for functions of tensors whose entries die with their tensor arguments.
+"""LRU memoization for functions of tensors whose entries die with the memory of their tensor arguments.
 
 ``functools.lru_cache`` cannot key on tensors by memory identity, and PyTorch's own plan cache (an
 ``lru_cache`` over ``TensorAsKey``) keeps every cached value alive until the LRU overflows, long after
 the tensor it was computed from is gone. :func:`weak_lru_cache` fixes both:
 
-* tensor arguments (positional, keyword, or inside tuples) are replaced by :class:`TensorKey`;
-* each entry holds weak references, with callbacks, to its tensor arguments: when any of them is
-  garbage-collected the entry is removed and everything it held is released at once;
+* tensor arguments (positional, keyword, or inside tuples) are replaced by :class:`TensorKey`, so any
+  tensor object viewing the same memory the same way finds the entry (``x[0]`` re-created per call, a BSR
+  tensor rebuilt every step from the same index tensors);
+* an entry lives as long as the memory its keys name (the storages, see :mod:`bsrkit.keys`), not as long
+  as one Python wrapper: when the last tensor on that memory dies, the entry's value is released at once,
+  by reference counting alone, and the entry leaves the table;
 * an in-place change of a tensor argument (its version counter moved) is a miss, and the entry is
   recomputed and replaced — a stale value is never returned;
 * inference tensors have no version counter, so a call with one is computed and not cached.
 
-Weakref callbacks can run at any bytecode, inside the garbage collector, possibly in a thread that holds
-the cache lock. The callback therefore never blocks on the lock: it queues the dead key and removes it
-only if it can take the lock without waiting; otherwise the lock holder removes it before releasing
-(see ``_CacheState._release``), so the removal is never lost and never deadlocks.
+Interrupts. A ``KeyboardInterrupt`` (or any exception a signal handler raises) can arrive between any two
+bytecodes of the main thread, and weakref callbacks run wherever a reference count reaches zero, inside
+cache operations too. Neither may leave the lock held or the table inconsistent:
+
+* the lock is only taken by ``with self.lock:``: ``threading.Lock.__enter__`` either acquires or raises,
+  and the protected region starts at the next instruction, so the lock is released however the block ends;
+* the weakref callbacks are C functions (``functools.partial(dict.pop, 0)`` drops the value,
+  ``deque.append`` queues the dead key): they run no Python bytecode, so they can neither be interrupted
+  nor block, and they never take the lock; the next lock holder removes queued entries from the table;
+* under the lock, state changes are ordered so that an interrupt between any two of them leaves a
+  consistent table: the byte count is derived from the entries (never a running total), and a dead key
+  leaves the queue only after its entry has left the table;
+* a computation in progress is announced by a latch (a lock its owner holds) that the owner releases as
+  the first statement of a ``finally``; a waiter that finds it released with no result (the owner was
+  interrupted) computes the value itself.
+
+Only the statistics can lose one count to an interrupt (``dead_evictions``, between removing an entry and
+counting it).
 """
 
 from __future__ import annotations
@@ -45,13 +62,13 @@ class CacheInfo(NamedTuple):
     dead_evictions: int
 
 
-def _value_tensors(value: Any) -> list[Any]:
-    """Tensors and numpy arrays held by a value, looking inside tuples, lists and dicts."""
+def _value_arrays(value: Any) -> list[Any]:
+    """Tensors, storages and numpy arrays held by a value, looking inside tuples, lists and dicts."""
     found: list[Any] = []
     stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, (torch.Tensor, np.ndarray)):
+        if isinstance(v, (torch.Tensor, np.ndarray, torch.UntypedStorage)):
             found.append(v)
         elif isinstance(v, (tuple, list)):
             stack.extend(v)
@@ -65,6 +82,8 @@ def _nbytes(arrays: list[Any]) -> int:
     for a in arrays:
         if isinstance(a, np.ndarray):
             total += a.nbytes
+        elif isinstance(a, torch.UntypedStorage):
+            total += a.nbytes()
         elif a.layout is torch.strided:
             total += a.untyped_storage().nbytes() if a.device.type == "meta" else a.nbytes
         else:  # sparse: count its member tensors
@@ -82,23 +101,45 @@ def _sparse_members(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return ()
 
 
-def _pins(arrays: list[Any], key_tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The key tensor that some value array keeps alive (is, or is a view of), if any."""
-    ids = {id(t) for t in key_tensors}
+def _memory_of(a: Any) -> list[Any]:
+    """The storages (or storage-less tensors) whose memory an array keeps alive."""
+    if isinstance(a, torch.UntypedStorage):
+        return [a]
+    if isinstance(a, np.ndarray):
+        base = a.base
+        while isinstance(base, np.ndarray):
+            base = base.base
+        # torch.Tensor.numpy() arrays keep their tensor (so its storage) as their base
+        return _memory_of(base) if isinstance(base, torch.Tensor) else []
+    if a.layout is torch.strided:
+        try:
+            return [a, a.untyped_storage()]
+        except (RuntimeError, NotImplementedError):
+            return [a]
+    return [a, *(s for m in _sparse_members(a) for s in _memory_of(m))]
+
+
+def _pins(arrays: list[Any], anchors: list[Any]) -> Any:
+    """The value array that keeps the memory of a key alive (shares one of its storages), if any."""
+    ids = {id(a) for a in anchors}
     for a in arrays:
-        if id(a) in ids:
+        if any(id(m) in ids for m in _memory_of(a)):
             return a
-        base = a._base if isinstance(a, torch.Tensor) else a.base
-        if base is not None and id(base) in ids:
-            return base
     return None
 
 
-class _Entry:
-    __slots__ = ("nbytes", "refs", "value", "version")
+class _DeathNotice(weakref.ref):
+    """A weak reference whose callback (``deque.append``, a C function) queues it; ``key`` names the entry."""
 
-    def __init__(self, value: Any, version: tuple[int, ...], nbytes: int, refs: list[Any]) -> None:
-        self.value = value
+    __slots__ = ("key",)
+    key: Hashable
+
+
+class _Entry:
+    __slots__ = ("cell", "nbytes", "refs", "version")
+
+    def __init__(self, cell: dict[int, Any], version: tuple[int, ...], nbytes: int, refs: list[Any]) -> None:
+        self.cell = cell  # {0: value}; a weakref callback pops the value the moment a storage dies
         self.version = version
         self.nbytes = nbytes
         self.refs = refs  # weakrefs with callbacks; they must live as long as the entry
@@ -107,11 +148,15 @@ class _Entry:
 class _InFlight:
     """A computation in progress: other callers with the same key wait for it instead of recomputing."""
 
-    __slots__ = ("done", "error", "value", "version")
+    __slots__ = ("error", "latch", "ok", "value", "version")
 
     def __init__(self, version: tuple[int, ...]) -> None:
         self.version = version  # the argument versions this computation started from
-        self.done = threading.Event()
+        # Held by the owner until it is done; waiters pass through it. A lock, not an Event: releasing
+        # it is one C call, which an interrupt cannot cut in half.
+        self.latch = threading.Lock()
+        self.latch.acquire()
+        self.ok = False
         self.value: Any = None
         self.error: BaseException | None = None
 
@@ -127,152 +172,158 @@ class _CacheState:
         self.entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.inflight: dict[Hashable, _InFlight] = {}
         self.lock = threading.Lock()
-        self.dead: deque[Hashable] = deque()  # keys whose tensors died; removed under the lock
+        # Death notices of entries' storages, appended by weakref callbacks (without the lock); the
+        # lock holder removes their entries (see _sweep).
+        self.dead: deque[_DeathNotice] = deque()
         self.hits = 0
         self.misses = 0
-        self.nbytes = 0
         self.dead_evictions = 0
 
-    # -- locking that cooperates with weakref callbacks -------------------------------------------
-    def _release(self) -> None:
-        while True:
-            self._remove_dead()
-            self.lock.release()
-            # A callback may have queued a key after _remove_dead and failed to take the lock; take it
-            # back and finish its work, so no dead entry outlives this call.
-            if not self.dead or not self.lock.acquire(blocking=False):
-                return
-
-    def _remove_dead(self) -> None:
-        while self.dead:
-            key = self.dead.popleft()
-            entry = self.entries.pop(key, None)
-            if entry is not None:
-                self.nbytes -= entry.nbytes
+    # -- under the lock ---------------------------------------------------------------------------
+    def _sweep(self) -> None:
+        """Remove the entries whose memory died (their values are gone already). Lock held."""
+        dead, entries = self.dead, self.entries
+        while dead:
+            # The notice leaves the queue last: an interrupt before that repeats a harmless pop.
+            if entries.pop(dead[0].key, None) is not None:
                 self.dead_evictions += 1
+            dead.popleft()
 
-    def on_dead(self, key: Hashable) -> None:
-        self.dead.append(key)
-        if self.lock.acquire(blocking=False):
-            self._release()
+    def _evict(self) -> list[_Entry]:
+        """Enforce maxsize and maxbytes, least recently used first. Lock held. Returns the evicted
+        entries, for the caller to drop after releasing the lock (a value's destructor may run any code,
+        even code that calls this cache)."""
+        entries = self.entries
+        evicted = []
+        if self.maxsize is not None:
+            while len(entries) > self.maxsize:
+                evicted.append(entries.popitem(last=False)[1])
+        if self.maxbytes is not None:
+            total = sum(e.nbytes for e in entries.values())
+            while entries and total > self.maxbytes:
+                evicted.append(entries.popitem(last=False)[1])
+                total -= evicted[-1].nbytes
+        return evicted
 
     # -- the memoized call ------------------------------------------------------------------------
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        key, tensors, version = _make_key(args, kwargs)
+        key, keys, version = _make_key(args, kwargs)
         if key is _UNCACHEABLE:
             return self.func(*args, **kwargs)
-        lock = self.lock
-        lock.acquire()
-        entry = self.entries.get(key)
-        if entry is not None and entry.version == version:  # the hot path, inlined
-            self.entries.move_to_end(key)
-            self.hits += 1
-            if self.dead:
-                self._release()
-            else:
-                lock.release()
-                if self.dead and lock.acquire(blocking=False):  # a callback raced the release
-                    self._release()
-            return entry.value
+        mine: _InFlight | None = None
         try:
-            pending = self.inflight.get(key)
-            if pending is None:
-                pending = self.inflight[key] = _InFlight(version)
-                owner = True
-                self.misses += 1
-            else:
-                owner = False
+            while True:
+                with self.lock:
+                    if self.dead:
+                        self._sweep()
+                    entry = self.entries.get(key)
+                    if entry is not None and entry.version == version:  # the hot path
+                        value = entry.cell.get(0, _MISSING)
+                        if value is not _MISSING:
+                            self.entries.move_to_end(key)
+                            self.hits += 1
+                            return value
+                    pending = self.inflight.get(key)
+                    if pending is None or not pending.latch.locked():
+                        # Nobody computes it (a released latch left here is an interrupted owner's).
+                        mine = _InFlight(version)
+                        self.inflight[key] = mine
+                        self.misses += 1
+                        break
+                    if pending.version == version:
+                        self.hits += 1
+                # Another caller computes this key: wait outside the cache lock.
+                with pending.latch:
+                    pass
                 if pending.version == version:
-                    self.hits += 1
-        finally:
-            self._release()
-
-        if not owner and pending.version != version:
-            # The running computation started before an in-place change: its value is stale for us.
-            pending.done.wait()
-            return self.call(args, kwargs)
-        if not owner:
-            pending.done.wait()
-            if pending.error is not None:
-                raise pending.error
-            return pending.value
-
-        try:
+                    if pending.ok:
+                        return pending.value
+                    if isinstance(pending.error, Exception):
+                        raise pending.error
+                # The computation started before an in-place change (stale for us), or its owner was
+                # interrupted: look again.
             value = self.func(*args, **kwargs)
-            self._insert(key, value, version, tensors)
-        except BaseException as exc:
-            pending.error = exc
-            raise
-        else:
-            pending.value = value
+            self._insert(key, keys, value, version)
+            mine.value = value
+            mine.ok = True
             return value
+        except Exception as exc:
+            if mine is not None:
+                mine.error = exc
+            raise
         finally:
-            self.lock.acquire()
-            try:
-                del self.inflight[key]
-            finally:
-                self._release()  # applies removals queued by callbacks meanwhile
-            pending.done.set()
+            if mine is not None:
+                mine.latch.release()  # first, so no interrupt can keep the waiters waiting
+                with self.lock:
+                    if self.inflight.get(key) is mine:
+                        del self.inflight[key]
 
-    def _insert(
-        self, key: Hashable, value: Any, version: tuple[int, ...], tensors: list[torch.Tensor]
-    ) -> None:
-        arrays = _value_tensors(value)
-        pinned = _pins(arrays, tensors)
+    def _insert(self, key: Hashable, keys: list[TensorKey], value: Any, version: tuple[int, ...]) -> None:
+        anchors: list[Any] = []
+        for k in keys:
+            objs = k.anchors()
+            if objs is None:
+                return  # its memory is gone already: nothing could ever hit the entry
+            anchors.extend(objs)
+        arrays = _value_arrays(value)
+        pinned = _pins(arrays, anchors)
         if pinned is not None:
+            what = (
+                f"a storage of {pinned.nbytes()} bytes"
+                if isinstance(pinned, torch.UntypedStorage)
+                else f"shape {tuple(pinned.shape)}, dtype {pinned.dtype}"
+            )
             raise ValueError(
-                f"{self.func.__qualname__}(): the returned value references one of its own tensor "
-                f"arguments (shape {tuple(pinned.shape)}, dtype {pinned.dtype}) or a view of it; "
-                "caching it would keep that tensor alive forever, so the entry could never die. "
-                "Return data derived from the argument (e.g. a clone) instead."
+                f"{self.func.__qualname__}(): the returned value shares memory with one of its tensor "
+                f"arguments ({what}): a view of it, the tensor itself, or its storage. Caching it would "
+                "keep that memory alive forever, so the entry could never die. Return data derived from "
+                "the argument (e.g. a clone) instead."
             )
         nbytes = _nbytes(arrays)
         if self.maxbytes is not None and nbytes > self.maxbytes:
             return  # larger than the whole budget: returned, never stored
 
-        def callback(_ref: Any) -> None:
-            self.on_dead(key)
-
-        refs = [weakref.ref(t, callback) for t in tensors]
-        self.lock.acquire()
-        try:
-            old = self.entries.pop(key, None)
-            if old is not None:  # stale (version moved): replaced
-                self.nbytes -= old.nbytes
-            self.entries[key] = _Entry(value, version, nbytes, refs)
-            self.nbytes += nbytes
-            while self.entries and (
-                (self.maxsize is not None and len(self.entries) > self.maxsize)
-                or (self.maxbytes is not None and self.nbytes > self.maxbytes)
-            ):
-                _, evicted = self.entries.popitem(last=False)
-                self.nbytes -= evicted.nbytes
-        finally:
-            self._release()
+        cell = {0: value}
+        drop = functools.partial(cell.pop, 0)  # called with the dead weakref: cell.pop(0, ref)
+        refs: list[Any] = []
+        seen: set[int] = set()
+        for a in anchors:
+            if id(a) not in seen:
+                seen.add(id(a))
+                refs.append(weakref.ref(a, drop))
+                notice = _DeathNotice(a, self.dead.append)
+                notice.key = key
+                refs.append(notice)
+        entry = _Entry(cell, version, nbytes, refs)
+        with self.lock:
+            if self.dead:
+                self._sweep()
+            # Pop first: assigning over an equal key would keep the old key object, not the notices'.
+            stale = self.entries.pop(key, None)  # a stale entry (its version moved) is replaced
+            self.entries[key] = entry
+            evicted = self._evict()
+        del stale, evicted  # their values die here, outside the lock
 
     def info(self) -> CacheInfo:
-        self.lock.acquire()
-        try:
-            self._remove_dead()
+        with self.lock:
+            if self.dead:
+                self._sweep()
+            entries = self.entries
             return CacheInfo(
                 self.hits,
                 self.misses,
                 self.maxsize,
-                len(self.entries),
-                self.nbytes,
+                len(entries),
+                sum(e.nbytes for e in entries.values()),
                 self.dead_evictions,
             )
-        finally:
-            self._release()
 
     def clear(self) -> None:
-        self.lock.acquire()
-        try:
-            self.entries.clear()
+        with self.lock:
+            dropped, self.entries = self.entries, OrderedDict()
             self.dead.clear()
-            self.hits = self.misses = self.nbytes = self.dead_evictions = 0
-        finally:
-            self._release()
+            self.hits = self.misses = self.dead_evictions = 0
+        del dropped  # the values die here, outside the lock
 
 
 class _Uncacheable(Exception):
@@ -282,19 +333,19 @@ class _Uncacheable(Exception):
 _UNCACHEABLE: Any = object()
 
 
-def _key_part(value: Any, name: Any, tensors: list[torch.Tensor], version: list[int]) -> Any:
+def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) -> Any:
     """``value`` as a key component. ``name`` (an index or keyword) only serves the error message."""
     if isinstance(value, torch.Tensor):
         if value.is_inference():
             raise _Uncacheable
         k = TensorKey(value)
-        tensors.append(value)
+        keys.append(k)
         version.extend(k.version)
         return k
     if type(value) in _SCALARS:
         return value
     if isinstance(value, tuple):
-        return tuple(_key_part(v, (name, i), tensors, version) for i, v in enumerate(value))
+        return tuple(_key_part(v, (name, i), keys, version) for i, v in enumerate(value))
     try:
         hash(value)
     except TypeError:
@@ -323,16 +374,16 @@ _KWARGS_MARK = object()
 
 def _make_key(
     args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Hashable, list[torch.Tensor], tuple[int, ...]]:
-    """(key, tensor arguments, their versions); the key is ``_UNCACHEABLE`` for inference tensors."""
-    tensors: list[torch.Tensor] = []
+) -> tuple[Hashable, list[TensorKey], tuple[int, ...]]:
+    """(key, the TensorKeys in it, their versions); the key is ``_UNCACHEABLE`` for inference tensors."""
+    keys: list[TensorKey] = []
     version: list[int] = []
     parts: list[Any] = []
     try:
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and not a.is_inference():  # common cases first, no call
                 k = TensorKey(a)
-                tensors.append(a)
+                keys.append(k)
                 version += k.version
                 parts.append(k)
             elif type(a) in _SCALARS:
@@ -343,41 +394,47 @@ def _make_key(
                     raise ValueError(f"weak_lru_cache: argument #{i} is the TensorKey of a dead tensor")
                 if t.is_inference():
                     raise _Uncacheable
-                tensors.append(t)
+                keys.append(a)
                 version += a.version
                 parts.append(a)
             else:
-                parts.append(_key_part(a, i, tensors, version))
+                parts.append(_key_part(a, i, keys, version))
         if kwargs:
             parts.append(_KWARGS_MARK)
             for name in sorted(kwargs):
                 parts.append(name)
-                parts.append(_key_part(kwargs[name], name, tensors, version))
+                parts.append(_key_part(kwargs[name], name, keys, version))
     except _Uncacheable:
-        return _UNCACHEABLE, tensors, ()
-    return tuple(parts), tensors, tuple(version)
+        return _UNCACHEABLE, keys, ()
+    return tuple(parts), keys, tuple(version)
 
 
 def weak_lru_cache(maxsize: int | None = 128, maxbytes: int | None = None) -> Callable[[F], F]:
-    """Decorator: memoize a function of tensors; entries die with their tensor arguments.
+    """Decorator: memoize a function of tensors; entries die with the memory of their tensor arguments.
 
     Parameters
     ----------
     maxsize:
         Most entries kept (LRU order); ``None`` for no bound.
     maxbytes:
-        Bound on the sum of ``nbytes`` of the tensors (and numpy arrays) held in cached values, looking
-        inside tuples, lists and dicts; ``None`` for no bound. A single value larger than the bound is
-        returned but not stored.
+        Bound on the sum of ``nbytes`` of the tensors (and numpy arrays, storages) held in cached values,
+        looking inside tuples, lists and dicts; ``None`` for no bound. A single value larger than the
+        bound is returned but not stored.
+
+    A tensor argument is keyed by :class:`TensorKey` (memory identity: storage, offset, shape, strides,
+    dtype; for a sparse compressed tensor, those of its indices). Its entry lives while that memory is in
+    use by any tensor, so views re-created on each call and sparse tensors rebuilt from the same indices
+    hit; it is dropped, and its value released, as soon as the last tensor on that memory dies.
 
     A caller that has built the :class:`TensorKey` of a live tensor may pass the key in the tensor's
     place (the function then receives the key; ``key.obj`` is the tensor).
 
     The wrapper has ``cache_info()`` -> :class:`CacheInfo` ``(hits, misses, maxsize, currsize, nbytes,
     dead_evictions)``, ``cache_clear()`` and ``__wrapped__``. Concurrent calls with the same key run the
-    function once; the others wait and count as hits; an exception reaches every waiter and nothing is
-    cached. A value that is (or is a view of) one of its own tensor arguments is refused with a
-    ``ValueError``: it would keep the tensor, hence the entry, alive forever.
+    function once; the others wait and count as hits; an ``Exception`` reaches every waiter and nothing is
+    cached (after a ``KeyboardInterrupt`` in the running call, a waiter computes the value itself). A
+    value that shares memory with one of its tensor arguments (the tensor, a view of it, its storage) is
+    refused with a ``ValueError``: it would keep that memory, hence the entry, alive forever.
     """
     if callable(maxsize) and maxbytes is None:  # used bare: @weak_lru_cache
         return weak_lru_cache()(maxsize)

@@ -2,9 +2,14 @@
 
 A :class:`TensorKey` names *how a piece of memory is viewed* — never the data in it — so that a cached
 result derived from a tensor can be found again from any tensor object that views the same memory in the
-same way (``bsr.crow_indices()`` returns a new Python object on every call, for example).
+same way: ``bsr.crow_indices()`` and ``x[0]`` return a new Python object on every call, and a training loop
+may rebuild ``torch.sparse_bsr_tensor(crow, col, values)`` every step from the same index tensors.
 
-Creating a key reads only metadata (a few microseconds); it never synchronises a device or reads data.
+A key lives as long as that *memory*, not as long as one Python wrapper. It is held through the tensors'
+storages: ``t.untyped_storage()`` returns the same Python object for as long as the storage lives (torch
+preserves it while any tensor uses it), and a weak reference to it dies with the storage's last user.
+
+Creating a key reads only metadata (about a microsecond); it never synchronises a device or reads data.
 """
 
 from __future__ import annotations
@@ -20,22 +25,6 @@ SPARSE_COMPRESSED_LAYOUTS = frozenset(
     {torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
 )
 
-
-def _strided_identity(t: torch.Tensor) -> tuple[Any, ...]:
-    # The conj and neg bits change what the same memory means, so they are part of the identity.
-    return (
-        t.device,
-        t.dtype,
-        t.data_ptr(),
-        t.storage_offset(),
-        t.shape,
-        t.stride(),
-        t.is_conj(),
-        t.is_neg(),
-        torch.strided,
-    )
-
-
 # layout -> (row-compressed, blocked), for the sparse compressed layouts
 _COMPRESSED_KINDS = {
     torch.sparse_csr: (True, False),
@@ -44,28 +33,53 @@ _COMPRESSED_KINDS = {
     torch.sparse_bsc: (False, True),
 }
 _STRIDED = torch.strided
+_ref = weakref.ref
+
+
+def _storage(t: torch.Tensor) -> Any:
+    """What ``t``'s memory lives as long as: its storage, or ``t`` itself for a tensor without one."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # e.g. wrapper subclasses that have no storage
+        return t
 
 
 class TensorKey:
-    """Hashable key of a tensor by memory identity, holding the tensor only through a weak reference.
+    """Hashable key of a tensor by memory identity, alive exactly as long as the memory it names.
 
-    * strided tensors (any dtype): ``(device, dtype, data_ptr, storage_offset, shape, stride, is_conj,
-      is_neg, layout)``;
+    * strided tensors (any dtype, any device, meta and fake included): ``(device, dtype, storage identity,
+      storage_offset, shape, stride, is_conj, is_neg, layout)``;
     * sparse compressed tensors (CSR/CSC/BSR/BSC): ``(layout, device, shape, blocksize, identity of the
       compressed indices, identity of the plain indices)`` (flattened), an index identity being
-      ``(data_ptr, storage_offset, shape, stride, dtype)``. The values are deliberately not part of the
-      key: what is cached for a sparse tensor (a *plan*) depends on its sparsity pattern only.
+      ``(storage identity, storage_offset, shape, stride, dtype)``. The values are deliberately
+      not part of the key: what is cached for a sparse tensor (a *plan*) depends on its sparsity pattern
+      only, so a BSR tensor rebuilt from the same index tensors with new values has the same key.
 
-    While both tensors are alive, equal keys mean "the same memory viewed the same way". A key whose
-    tensor has died compares equal only to itself, so a new tensor allocated at a dead one's address can
-    never match an entry made for the dead one.
+    The storage identity is the storage's Python object (``t.untyped_storage()``), held weakly; with the
+    offset, shape, strides and dtype it names the memory exactly, so no ``data_ptr()`` is read. It keeps
+    apart two live meta or fake tensors with equal metadata (their ``data_ptr()`` is 0, and FakeTensor
+    warns on reading it). A storage that is resized keeps its identity, and its contents: what was derived
+    from them stays valid.
 
-    ``version`` records the version counters (``t._version``) at key creation; it is not part of
-    equality. Caches compare it to detect in-place modification (see :mod:`bsrkit.cache`). Inference
-    tensors have no version counter: their ``version`` is ``()`` (caches do not store them).
+    **Lifetime.** A key is *alive* while the storages it names are (for a sparse key, those of both index
+    tensors): while any tensor at all uses that memory, not only the tensor the key was made from. While
+    both are alive, equal keys mean "the same memory viewed the same way". A dead key compares equal only
+    to itself, so a tensor allocated later at a dead one's address can never match it.
+
+    ``version`` records the version counters (``t._version``) at key creation; it is not part of equality.
+    Caches compare it to detect in-place modification (see :mod:`bsrkit.cache`). Views share their base's
+    counter, and the index accessors of one sparse tensor share one counter. Inference tensors have no
+    version counter: their ``version`` is ``()`` (caches do not store them).
+
+    Limitation (torch's): a change made through a tensor with *another* version counter on the same memory
+    is invisible to every key. ``torch.sparse_bsr_tensor(crow, col, values)`` gives its indices a fresh
+    counter, so after ``col.copy_(...)`` on the ``col`` it was built from, a key of that BSR tensor (or of
+    one rebuilt from ``col``) has an unchanged ``version``; so does ``x.data.add_(1)`` for ``x``. Change
+    index memory through the sparse tensor's own accessors (``bsr.col_indices().copy_(...)``), or build a
+    new index tensor.
     """
 
-    __slots__ = ("__weakref__", "_hash", "_identity", "_ref", "version")
+    __slots__ = ("__weakref__", "_anchors", "_hash", "_identity", "_ref", "version")
 
     def __init__(
         self,
@@ -79,7 +93,17 @@ class TensorKey:
             raise TypeError(f"TensorKey(): expected a torch.Tensor, got {type(tensor).__name__}")
         layout = tensor.layout
         if layout is _STRIDED:
-            self._identity: tuple[Any, ...] = _strided_identity(tensor)
+            storage: Any
+            try:  # _storage(), inlined: this runs on every cache lookup
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                storage = tensor
+            # The conj and neg bits change what the same memory means, so they are part of the identity.
+            self._identity: tuple[Any, ...] = (
+                tensor.device, tensor.dtype, id(storage), tensor.storage_offset(),
+                tensor.shape, tensor.stride(), tensor.is_conj(), tensor.is_neg(), _STRIDED,
+            )  # fmt: skip
+            self._anchors: tuple[weakref.ref[Any], ...] = (_ref(storage),)
             self.version: tuple[int, ...] = () if tensor.is_inference() else (tensor._version,)
         else:
             kind = _COMPRESSED_KINDS.get(layout)
@@ -99,21 +123,40 @@ class TensorKey:
                 # values: (*batch, nnz, *blocksize, *dense_dims); batch ndim = c.ndim - 1
                 nb = c.dim()
                 blocksize = (tensor.values() if values is None else values).shape[nb : nb + 2]
+            cs: Any
+            ps: Any
+            try:
+                cs, ps = c.untyped_storage(), p.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                cs, ps = _storage(c), _storage(p)
             # One flat tuple (it is hashed and compared on every cache lookup). Index tensors are integer,
             # strided and on the sparse tensor's device; the conj/neg bits never apply to them.
             self._identity = (
                 layout, tensor.device, tensor.shape, blocksize,
-                c.data_ptr(), c.storage_offset(), c.shape, c.stride(), c.dtype,
-                p.data_ptr(), p.storage_offset(), p.shape, p.stride(), p.dtype,
+                id(cs), c.storage_offset(), c.shape, c.stride(), c.dtype,
+                id(ps), p.storage_offset(), p.shape, p.stride(), p.dtype,
             )  # fmt: skip
+            self._anchors = (_ref(cs), _ref(ps))
             self.version = () if tensor.is_inference() else (c._version, p._version)
-        self._ref = weakref.ref(tensor)
+        self._ref = _ref(tensor)
         self._hash = hash(self._identity)
 
     @property
     def obj(self) -> torch.Tensor | None:
-        """The tensor, or None once it has been garbage-collected."""
+        """The tensor the key was made from, or None once that Python object is gone (its memory, and
+        so the key, may live on in other tensors)."""
         return self._ref()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the memory the key names is still in use by some tensor."""
+        return all(r() is not None for r in self._anchors)
+
+    def anchors(self) -> tuple[Any, ...] | None:
+        """The objects whose lifetime is the key's (storages; a tensor without storage stands for its
+        own), or None once any of them is gone."""
+        objs = tuple(r() for r in self._anchors)
+        return None if any(o is None for o in objs) else objs
 
     def __hash__(self) -> int:
         return self._hash
@@ -123,10 +166,18 @@ class TensorKey:
             return True
         if not isinstance(other, TensorKey) or self._hash != other._hash:
             return False
-        if self._ref() is None or other._ref() is None:
+        if self._identity != other._identity:
             return False
-        return self._identity == other._identity
+        # Equal identities name the same storage objects only while both keys' storages live (an id can
+        # be reused by an object created after the first one died).
+        for r in self._anchors:
+            if r() is None:
+                return False
+        for r in other._anchors:  # noqa: SIM110 (a loop, not all(): this runs on every cache hit)
+            if r() is None:
+                return False
+        return True
 
     def __repr__(self) -> str:
-        state = "dead" if self._ref() is None else "alive"
+        state = "alive" if self.alive else "dead"
         return f"TensorKey({self._identity!r}, {state})"

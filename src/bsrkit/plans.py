@@ -235,7 +235,8 @@ def _build_scatter_mm(
         if indices_format == "bsr_strided_mm_compressed":
             # Swizzle as torch does: output tiles with longer sums first.
             order = nnz_per_row.sort(descending=True, stable=True).indices
-            return (indices_format, crow, r_offsets[order], q_offsets)
+            # A copy of crow: a plan must not share memory with its source (it would keep it alive).
+            return (indices_format, crow.clone(), r_offsets[order], q_offsets)
         p_values = torch.arange(nnz, dtype=torch.int32, device=device)[:, None].expand(nnz, split_n)
         p_offsets = torch.empty(nnz * split_n, dtype=torch.int32, device=device)
         p_offsets[pos.reshape(-1)] = p_values.reshape(-1)
