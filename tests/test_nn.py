@@ -141,3 +141,23 @@ def test_torch_compile_fullgraph_matches_eager():
     out.sum().backward()
     for p, g in zip(model.parameters(), eager_grads, strict=True):
         assert_close(p.grad, g)
+
+
+def test_plans_follow_a_loaded_pattern_also_through_to_bsr():
+    """load_state_dict gives the pattern new memory, so a BSR built by to_bsr() after the load cannot be
+    served a plan of the old pattern (torch gives a BSR's index tensors their own version counters, so
+    an in-place copy into the old buffers would be invisible to keys on them)."""
+    a = BSRLinear(16, 16, 4, density=0.5, generator=torch.Generator().manual_seed(0))
+    b = BSRLinear(16, 16, 4, density=0.5, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the same nnz, another pattern: b's weight transposed block-wise
+        mask = torch.zeros(4, 4, dtype=torch.bool)
+        rows = torch.repeat_interleave(torch.arange(4), a.crow_indices.diff())
+        mask[a.col_indices, rows] = True
+        b._set_pattern(mask, torch.randn(int(mask.sum()), 4, 4))
+    assert not torch.equal(a.col_indices, b.col_indices) or not torch.equal(a.crow_indices, b.crow_indices)
+    x = torch.randn(16, 3)
+    before = a.to_bsr()
+    bsrkit.bsr_dense_mm(before.detach(), x)  # plans for a's pattern
+    a.load_state_dict(b.state_dict())
+    got = bsrkit.bsr_dense_mm(a.to_bsr().detach(), x)
+    torch.testing.assert_close(got, b.to_dense() @ x)

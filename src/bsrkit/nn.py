@@ -169,6 +169,12 @@ class BSRLinear(nn.Module):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        if plain:
+            # New memory for the loaded pattern: torch gives the index tensors of a BSR built from these
+            # buffers (to_bsr()) their own version counters, so an in-place copy into the old memory
+            # could not be seen by plans keyed on it; fresh storage cannot be mistaken for the old one.
+            self.crow_indices = self.crow_indices.clone()
+            self.col_indices = self.col_indices.clone()
 
     def extra_repr(self) -> str:
         nnz = self.values.shape[0]

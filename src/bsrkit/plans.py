@@ -2,8 +2,10 @@
 
 Every plan is computed with vectorized torch ops (no Python loop over rows or blocks) and stored in one
 shared :func:`~bsrkit.cache.weak_lru_cache`, keyed on the BSR tensor by memory identity of its indices:
-the entry dies with the BSR tensor, and an in-place change of the indices is a miss, never a stale plan.
-Plans never compute products (see ``bsrkit.backends``).
+the entry lives as long as the index memory (a BSR rebuilt every step from the same index tensors finds
+it), and an in-place change of the indices through the BSR's own index tensors is a miss, never a stale
+plan. Every pattern is validated when its first plan is built (:func:`check_pattern`). Plans never
+compute products (see ``bsrkit.backends``).
 """
 
 from __future__ import annotations
