@@ -8,6 +8,7 @@ references: an entry lives exactly as long as the tensor it was computed from.
 from bsrkit.cache import CacheInfo, weak_lru_cache
 from bsrkit.keys import TensorKey
 from bsrkit.ops import (
+    _int_bsr_dense_addmm,
     bsr_dense_addmm,
     bsr_dense_mm,
     bsr_scatter_mm,
@@ -24,6 +25,7 @@ __all__ = [
     "CacheInfo",
     "TensorKey",
     "__version__",
+    "_int_bsr_dense_addmm",
     "bsr_dense_addmm",
     "bsr_dense_mm",
     "bsr_scatter_mm",

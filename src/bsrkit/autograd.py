@@ -40,10 +40,13 @@ def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 class BsrDenseAddmm(torch.autograd.Function):
-    """``beta * input + alpha * bsr @ dense`` (``input`` may be None) with gradients for all three.
+    r"""``beta * input + left * (alpha * bsr @ dense) * right`` with gradients for every tensor.
 
-    Called by :mod:`bsrkit.ops` with validated arguments: ``a`` is ``bsr``'s operand (None when nothing
-    is stored) and ``batch`` the broadcast batch shape.
+    With :math:`P = \alpha A X` and :math:`G' = \ell \odot G \odot r`: :math:`\partial X = \alpha A^T G'`,
+    :math:`\partial A = \alpha (G' X^T)|_P`, :math:`\partial \ell = \sum_n G \odot P \odot r`,
+    :math:`\partial r = \sum_m G \odot P \odot \ell`, :math:`\partial C = \beta G`. Called by
+    :mod:`bsrkit.ops` with validated arguments: ``a`` is ``bsr``'s operand (None when nothing is stored)
+    and ``batch`` the broadcast batch shape.
     """
 
     @staticmethod
@@ -54,6 +57,8 @@ class BsrDenseAddmm(torch.autograd.Function):
         input: torch.Tensor | None,
         bsr: torch.Tensor,
         dense: torch.Tensor,
+        left: torch.Tensor | None,
+        right: torch.Tensor | None,
         a: Operand | None,
         batch: torch.Size,
         beta: float,
@@ -61,25 +66,42 @@ class BsrDenseAddmm(torch.autograd.Function):
         meta: dict[str, Any] | None,
     ) -> torch.Tensor:
         out = torch.empty((*batch, bsr.shape[-2], dense.shape[-1]), dtype=dense.dtype, device=dense.device)
-        dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta)
+        dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
         ctx.bsr = bsr.detach()
-        ctx.save_for_backward(dense)
+        ctx.save_for_backward(dense, left, right)
         ctx.scalars = (beta, alpha)
         ctx.input_shape = None if input is None else input.shape
+        ctx.backend, ctx.meta, ctx.has_operand = backend, meta, a is not None
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (dense,) = ctx.saved_tensors
+        dense, left, right = ctx.saved_tensors
         bsr = ctx.bsr
         beta, alpha = ctx.scalars
         batch = grad.shape[:-2]
-        grad_input = grad_bsr = grad_dense = None
+        grad_input = grad_bsr = grad_dense = grad_left = grad_right = None
         if ctx.needs_input_grad[2] and ctx.input_shape is not None:
             grad_input = _sum_to(grad * beta, ctx.input_shape)
+        if ctx.needs_input_grad[5] or ctx.needs_input_grad[6]:
+            product = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)  # P = alpha A X
+            a = Operand.of(bsr) if ctx.has_operand else None  # (bsr, detached, outlives the forward's key)
+            dispatch.addmm(
+                "bsr_dense_addmm", ctx.backend, None, a, dense, product, batch, 0.0, alpha, ctx.meta
+            )
+            if ctx.needs_input_grad[5]:
+                gp = grad * product if right is None else grad * product * right.unsqueeze(-2)
+                grad_left = _sum_to(gp.sum(-1), left.shape)
+            if ctx.needs_input_grad[6]:
+                gp = grad * product if left is None else grad * product * left.unsqueeze(-1)
+                grad_right = _sum_to(gp.sum(-2), right.shape)
+        if left is not None:
+            grad = grad * left.unsqueeze(-1)
+        if right is not None:
+            grad = grad * right.unsqueeze(-2)
         if ctx.needs_input_grad[3]:
-            # dA = alpha (G X^T)|P: an SDDMM on bsr's own pattern.
+            # dA = alpha (G' X^T)|P: an SDDMM on bsr's own pattern.
             backend = dispatch.select("sampled_addmm", "sampled", grad.device, grad.dtype)
             values = dispatch.sampled("sampled_addmm", backend, Operand.of(bsr), grad, dense.mT, batch, alpha)
             values = _sum_to(values, bsr.values().shape)
@@ -87,7 +109,7 @@ class BsrDenseAddmm(torch.autograd.Function):
                 bsr.crow_indices(), bsr.col_indices(), values, size=bsr.shape, check_invariants=False
             )
         if ctx.needs_input_grad[4]:
-            # dX = alpha A^T G: the transposed product over the cached transpose plan.
+            # dX = alpha A^T G': the transposed product over the cached transpose plan.
             op = "bsr_transposed_dense_mm"
             backend = dispatch.select(op, "addmm", grad.device, grad.dtype)
             M, K = bsr.shape[-2:]
@@ -95,4 +117,4 @@ class BsrDenseAddmm(torch.autograd.Function):
             a = Operand.of(bsr).transposed() if bsr._nnz() and M and alpha and out.numel() else None
             g = dispatch.addmm(op, backend, None, a, grad, out, batch, 0.0, alpha, None)
             grad_dense = _sum_to(g, dense.shape)
-        return None, None, grad_input, grad_bsr, grad_dense, None, None, None, None, None
+        return (None, None, grad_input, grad_bsr, grad_dense, grad_left, grad_right) + (None,) * 5

@@ -73,17 +73,24 @@ def addmm(
     beta: float,
     alpha: float,
     meta: dict[str, Any] | None,
+    left: torch.Tensor | None = None,
+    right: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out = beta * input + alpha * a @ dense`` (``input`` None: ``beta`` is ignored) and return it.
+    """``out = beta * input + left * (alpha * a @ dense) * right`` (``input`` None: ``beta`` is ignored;
+    ``left`` ``(*batch, M)`` scales rows, ``right`` ``(*batch, N)`` columns; None: ones) and return it.
 
     ``a`` is None when the product contributes nothing (no stored block, ``K == 0`` or ``alpha == 0``).
     With ``beta == 0`` ``input`` is not read (NaN in it does not propagate), as in ``torch.addmm``.
+    int8 ``a`` and ``dense`` with an int32 ``out``: the exact integer product (:func:`int8_compute_dtype`).
     """
-    if not math.isfinite(alpha):
-        # inf * 0 is NaN wherever the product is 0 (empty rows included), as in torch.addmm; a gemm
-        # may scale its operands instead. Form the product, then scale it.
+    if dense.dtype is torch.int8:
+        return _int8_addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
+    if left is not None or right is not None or not math.isfinite(alpha):
+        # Form the product, then scale it: inf * 0 is NaN wherever the product is 0 (empty rows
+        # included), as the formula says (a gemm may scale an operand instead).
         product = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        addmm(op, backend, None, a, dense, product, batch, 0.0, 1.0, meta).mul_(alpha)
+        addmm(op, backend, None, a, dense, product, batch, 0.0, 1.0, meta)
+        _scale_product(product, alpha, left, right)
         if input is None or beta == 0:
             return out.copy_(product)
         _scale_input_into(out, input, beta)
@@ -101,6 +108,51 @@ def addmm(
     params = tuning.resolve(backend, op, out.device, out.dtype, (a.M, a.K, dense.shape[-1]), (Ms, Ks), meta)
     backend.addmm(a, dense, out, batch, alpha, overwrite, params)
     return out
+
+
+def _scale_product(
+    product: torch.Tensor, alpha: float, left: torch.Tensor | None, right: torch.Tensor | None
+) -> None:
+    if alpha != 1:
+        product.mul_(alpha)
+    if left is not None:
+        product.mul_(left.to(product.dtype).unsqueeze(-1))
+    if right is not None:
+        product.mul_(right.to(product.dtype).unsqueeze(-2))
+
+
+def int8_compute_dtype(K: int) -> torch.dtype:
+    """The floating type in which an int8 product with inner dimension ``K`` is exact: every partial sum
+    is an integer of magnitude at most ``K * 128**2``, exact in float32 up to ``2**24``."""
+    return torch.float32 if K * 128 * 128 <= 2**24 else torch.float64
+
+
+def _int8_addmm(
+    op: str,
+    backend: Backend,
+    input: torch.Tensor | None,
+    a: Operand | None,
+    dense: torch.Tensor,
+    out: torch.Tensor,
+    batch: torch.Size,
+    beta: float,
+    alpha: float,
+    meta: dict[str, Any] | None,
+    left: torch.Tensor | None,
+    right: torch.Tensor | None,
+) -> torch.Tensor:
+    """int8 x int8 -> int32 on the float kernels: the product exactly, then the scalars and scales in
+    float64, rounded once into ``out``."""
+    compute = int8_compute_dtype(dense.shape[-2])
+    if a is not None:
+        a = a._replace(values=a.values.to(compute))
+    product = torch.empty(out.shape, dtype=compute, device=out.device)
+    addmm(op, backend, None, a, dense.to(compute), product, batch, 0.0, 1.0, meta)
+    result = product.to(torch.float64)
+    _scale_product(result, alpha, left, right)
+    if input is not None and beta != 0:
+        result.add_(input.to(torch.float64).expand(out.shape), alpha=beta)
+    return out.copy_(result.round_())
 
 
 def _scale_input_into(out: torch.Tensor, input: torch.Tensor, beta: float) -> None:

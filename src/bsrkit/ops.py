@@ -31,6 +31,7 @@ from bsrkit.validation import (
 )
 
 __all__ = [
+    "_int_bsr_dense_addmm",
     "bsr_dense_addmm",
     "bsr_dense_mm",
     "bsr_scatter_mm",
@@ -97,20 +98,53 @@ def bsr_dense_addmm(
     *,
     beta: float = 1,
     alpha: float = 1,
+    left_alpha: torch.Tensor | None = None,
+    right_alpha: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     skip_checks: bool = False,
     max_grid: tuple[int | None, int | None, int | None] | None = None,
     meta: dict[str, Any] | None = None,
 ) -> torch.Tensor:
-    r""":math:`\mathrm{out} = \beta\,\mathrm{input} + \alpha\,(\mathrm{bsr} @ \mathrm{dense})`.
+    r""":math:`\mathrm{out} = \beta\,\mathrm{input} + \ell \odot \alpha\,(\mathrm{bsr} @ \mathrm{dense})
+    \odot r`, torch's formula: ``left_alpha`` :math:`\ell` scales rows (shape ``(*batch, M)``, broadcast
+    along columns), ``right_alpha`` :math:`r` scales columns (``(*batch, N)``); None means ones. Both are
+    differentiable, as are ``input``, ``dense`` and the BSR values.
 
     ``input`` broadcasts to ``(*batch, M, N)``. With ``beta == 0``, ``input`` is ignored (NaN in it does
-    not propagate), as in ``torch.addmm``. Otherwise as :func:`bsr_dense_mm` (``skip_checks`` and
-    ``max_grid`` included).
+    not propagate), as in ``torch.addmm``. int8 ``bsr`` and ``dense`` give an exact int32 result (see
+    :func:`_int_bsr_dense_addmm`). Otherwise as :func:`bsr_dense_mm` (``skip_checks`` and ``max_grid``
+    included).
     """
-    check_strided("bsr_dense_addmm", "input", input, min_ndim=0)
-    check_max_grid("bsr_dense_addmm", max_grid)
-    return _addmm("bsr_dense_addmm", input, bsr, dense, beta=beta, alpha=alpha, out=out, meta=meta)
+    op = "bsr_dense_addmm"
+    check_strided(op, "input", input, min_ndim=0)
+    check_max_grid(op, max_grid)
+    return _addmm(
+        op, input, bsr, dense, beta=beta, alpha=alpha, out=out, meta=meta, left=left_alpha, right=right_alpha
+    )
+
+
+def _int_bsr_dense_addmm(
+    input: torch.Tensor,
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    *,
+    beta: float = 1,
+    alpha: float = 1,
+    left_alpha: torch.Tensor | None = None,
+    right_alpha: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    skip_checks: bool = False,
+    max_grid: tuple[int | None, int | None, int | None] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """torch's entry point for int8 products: int8 ``bsr`` times int8 ``dense`` into an int32 ``out``,
+    exactly (``beta``, ``alpha`` integers; ``input`` an integer tensor). Computed on the float kernels in a
+    floating type wide enough for every partial sum to be exact (float32 while ``K * 128**2 <= 2**24``,
+    else float64), then rounded; ``left_alpha``/``right_alpha`` scale before that rounding."""
+    return bsr_dense_addmm(
+        input, bsr, dense, beta=beta, alpha=alpha, left_alpha=left_alpha, right_alpha=right_alpha,
+        out=out, skip_checks=skip_checks, max_grid=max_grid, meta=meta,
+    )  # fmt: skip
 
 
 def _needs_grad(*tensors: Any) -> bool:
@@ -129,20 +163,28 @@ def _addmm(
     out: torch.Tensor | None,
     meta: dict[str, Any] | None,
     transpose: bool = False,
+    left: torch.Tensor | None = None,
+    right: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Validate, then ``out = beta * input + alpha * op(bsr) @ dense`` with op = transpose or identity."""
-    differentiable = not transpose and _needs_grad(input, bsr, dense)
+    """Validate, then ``out = beta * input + left * (alpha * op(bsr) @ dense) * right`` with op =
+    transpose or identity (``left``/``right``: row and column scales, or None)."""
+    differentiable = not transpose and _needs_grad(input, bsr, dense, left, right)
     if differentiable and out is not None:
         raise ValueError(
             f"{op}(): expected out=None when an argument requires grad (out= is not differentiable)"
         )
     beta = check_scalar(op, "beta", beta)
     alpha = check_scalar(op, "alpha", alpha)
-    check_bsr(op, "bsr", bsr)
+    check_bsr(op, "bsr", bsr, dtypes=(*SUPPORTED_DTYPES, torch.int8))
     check_strided(op, "dense", dense)
     check_same_dtype(op, "dense", dense, "bsr", bsr)
     check_same_device(op, "dense", dense, "bsr", bsr)
-    backend = dispatch.select(op, "addmm", bsr.device, bsr.dtype)  # here: a bad override fails on any input
+    integer = bsr.dtype is torch.int8
+    out_dtype = torch.int32 if integer else dense.dtype
+    if integer and not (beta.is_integer() and alpha.is_integer()):
+        raise ValueError(f"{op}(): expected integer beta and alpha for int8 products, got {beta} and {alpha}")
+    # (int8 products run on the float kernels: see dispatch.int8_compute_dtype)
+    backend = dispatch.select(op, "addmm", bsr.device, torch.float32 if integer else bsr.dtype)
     M, K = bsr.shape[-2:]
     if transpose:
         M, K = K, M
@@ -151,8 +193,26 @@ def _addmm(
         raise ValueError(f"{op}(): expected dense.shape[-2] == {K} ({where}), got {dense.shape[-2]}")
     batch = broadcast_batch(op, ("bsr", "dense"), (bsr.shape[:-2], dense.shape[:-2]))
     out_shape = (*batch, M, dense.shape[-1])
+    for name, scale, extent in (("left_alpha", left, M), ("right_alpha", right, dense.shape[-1])):
+        if scale is None:
+            continue
+        check_strided(op, name, scale, min_ndim=1)
+        if not integer:
+            check_same_dtype(op, name, scale, "dense", dense)
+        check_same_device(op, name, scale, "dense", dense)
+        try:
+            ok = torch.broadcast_shapes(scale.shape, (*batch, extent)) == (*batch, extent)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{op}(): expected {name}.shape to broadcast to {(*batch, extent)}, got {tuple(scale.shape)}"
+            )
     if input is not None:
-        check_same_dtype(op, "input", input, "bsr", bsr)
+        if integer:
+            check_dtype(op, "input", input, (torch.int8, torch.int32))
+        else:
+            check_same_dtype(op, "input", input, "bsr", bsr)
         check_same_device(op, "input", input, "bsr", bsr)
         try:
             ok = torch.broadcast_shapes(input.shape, out_shape) == out_shape
@@ -172,11 +232,13 @@ def _addmm(
         elif transpose:
             a = a.transposed()
     if differentiable:
-        return autograd.BsrDenseAddmm.apply(op, backend, input, bsr, dense, a, batch, beta, alpha, meta)
+        return autograd.BsrDenseAddmm.apply(
+            op, backend, input, bsr, dense, left, right, a, batch, beta, alpha, meta
+        )
     if out is None:
-        out = torch.empty(out_shape, dtype=dense.dtype, device=dense.device)
+        out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
     else:
-        check_out(op, out, out_shape, dense.dtype, dense.device)
+        check_out(op, out, out_shape, out_dtype, dense.device)
         if (
             out.numel()
             and dense.numel()
@@ -184,7 +246,7 @@ def _addmm(
         ):
             # The kernels read dense while writing out: shared memory would give a silently wrong result.
             raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
-    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta)
+    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
 
 
 # -- scatter_mm and its indices data ----------------------------------------------------------------

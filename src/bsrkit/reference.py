@@ -52,11 +52,19 @@ def bsr_dense_addmm(
     *,
     beta: float = 1,
     alpha: float = 1,
+    left_alpha: torch.Tensor | None = None,
+    right_alpha: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """``beta * input + left_alpha[..., :, None] * (alpha * bsr @ dense) * right_alpha[..., None, :]``,
+    in float64; int8 operands give int32 (exact)."""
     prod = alpha * torch.matmul(bsr_to_dense(bsr).double(), dense.double())
+    if left_alpha is not None:
+        prod = prod * left_alpha.double().unsqueeze(-1)
+    if right_alpha is not None:
+        prod = prod * right_alpha.double().unsqueeze(-2)
     if beta != 0:
         prod = prod + beta * input.double()
-    return prod.to(dense.dtype)
+    return prod.round().to(torch.int32) if dense.dtype is torch.int8 else prod.to(dense.dtype)
 
 
 def bsr_scatter_mm(bsr: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
