@@ -263,6 +263,7 @@ def main() -> None:
     print(f"started after {time.perf_counter() - T0:.1f} s", flush=True)
     out, names = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # in case BSRKIT_BACKEND=cpu (numba not loaded yet)
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     try:
