@@ -123,6 +123,31 @@ class _ReplicatedInput(torch.autograd.Function):
         return total, None
 
 
+def _pairs(bounds: tuple[int, ...]) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(bounds))
+
+
+def _gather_int(n: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_single(everyone, torch.tensor([n], dtype=torch.int64, device=device), group=group)
+    return everyone.tolist()
+
+
+def _gather_rows(
+    local: torch.Tensor, counts: list[int] | tuple[int, ...], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Concatenate the ranks' ``local`` tensors (``counts[r]`` rows on rank ``r``) on every rank; gloo
+    gathers equal sizes only, so each rank sends its rows padded to the largest count."""
+    pad = max(counts)
+    send = local.new_zeros((pad, *local.shape[1:]))
+    send[: local.shape[0]] = local
+    gathered = local.new_empty((len(counts) * pad, *local.shape[1:]))
+    dist.all_gather_single(gathered, send, group=group)
+    if all(c == pad for c in counts):
+        return gathered
+    return torch.cat([gathered[i * pad : i * pad + c] for i, c in enumerate(counts)])
+
+
 class _GatherRows(torch.autograd.Function):
     """All-gather of row blocks of uneven sizes ``counts``; backward takes this rank's rows, no
     communication (the loss is the same on every rank)."""
@@ -131,15 +156,8 @@ class _GatherRows(torch.autograd.Function):
     def forward(
         ctx: Any, local: torch.Tensor, group: dist.ProcessGroup, counts: tuple[int, ...], rank: int
     ) -> torch.Tensor:
-        pad = max(counts)
         ctx.rows = (sum(counts[:rank]), counts[rank])
-        send = local.new_zeros((pad, *local.shape[1:]))
-        send[: local.shape[0]] = local
-        gathered = local.new_empty((len(counts) * pad, *local.shape[1:]))
-        dist.all_gather_single(gathered, send, group=group)
-        if all(c == pad for c in counts):
-            return gathered
-        return torch.cat([gathered[i * pad : i * pad + c] for i, c in enumerate(counts)])
+        return _gather_rows(local, counts, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -215,9 +233,36 @@ class BlockRowParallelBSRLinear(nn.Module):
         if self.bias is not None:
             y_t = y_t + self.bias[:, None]
         bo = self.blocksize[0]
-        counts = tuple((b - a) * bo for a, b in itertools.pairwise(self.row_splits))
+        counts = tuple((b - a) * bo for a, b in _pairs(self.row_splits))
         y = _GatherRows.apply(y_t, self.group, counts, self.rank)
         return y.mT.reshape(*lead, self.out_features)
+
+    def to_bsr_linear(self) -> BSRLinear:
+        """The whole layer, gathered from all ranks (a collective: every rank of the group calls it and
+        gets the same :class:`~bsrkit.nn.BSRLinear`); for checkpoints and inspection."""
+        nnz = _gather_int(self.values.shape[0], self.group, self.values.device)
+        values = _gather_rows(self.values.detach(), nnz, self.group)
+        col = _gather_rows(self.col_indices, nnz, self.group)
+        row_nnz = _gather_rows(
+            self.crow_indices.diff(), [b - a for a, b in _pairs(self.row_splits)], self.group
+        )
+        bo, bi = self.blocksize
+        layer = BSRLinear(
+            self.in_features,
+            self.out_features,
+            (bo, bi),
+            bias=self.bias is not None,
+            density=0.0,
+            device=values.device,
+            dtype=values.dtype,
+        )
+        layer.crow_indices = torch.cat([row_nnz.new_zeros(1), row_nnz.cumsum(0)])
+        layer.col_indices = col
+        layer.values = nn.Parameter(values)
+        if self.bias is not None:
+            counts = [(b - a) * bo for a, b in _pairs(self.row_splits)]
+            layer.bias = nn.Parameter(_gather_rows(self.bias.detach(), counts, self.group))
+        return layer
 
     def extra_repr(self) -> str:
         start, stop = self.row_splits[self.rank], self.row_splits[self.rank + 1]
