@@ -188,6 +188,17 @@ def skewed_layer(seed: int) -> BSRLinear:
     return BSRLinear.from_dense(lin, 16, density=0.5)
 
 
+def top_row_layer(seed: int) -> BSRLinear:
+    """16 x 32, blocks 8: all 4 stored blocks in block row 0, so the other rank holds no rows at all."""
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(32, 16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(16, 32, generator=g))
+        lin.weight[8:] *= 1e-3
+        lin.bias.copy_(torch.randn(16, generator=g))  # not nn.Linear's: the global RNG differs per rank
+    return BSRLinear.from_dense(lin, 8, density=0.5)
+
+
 def uniform_layer(seed: int) -> BSRLinear:
     return BSRLinear(128, 256, (16, 8), density=0.3, generator=torch.Generator().manual_seed(seed))
 
@@ -204,12 +215,17 @@ def scenario_tp(rank: int, world: int, out: Path) -> dict:
 
     results = {}
     mesh = init_device_mesh("cpu", (world,))
-    for name, factory, group in (("uniform", uniform_layer, None), ("skewed", skewed_layer, mesh)):
+    cases = (
+        ("uniform", uniform_layer, None),
+        ("skewed", skewed_layer, mesh),
+        ("one_rank_empty", top_row_layer, None),
+    )
+    for name, factory, group in cases:
         full = factory(3)
         tp = BlockRowParallelBSRLinear(copy.deepcopy(full), group)
         g = torch.Generator().manual_seed(4)
-        x = torch.randn(3, 5, 128, generator=g)
-        upstream = torch.randn(3, 5, 256, generator=g)
+        x = torch.randn(3, 5, full.in_features, generator=g)
+        upstream = torch.randn(3, 5, full.out_features, generator=g)
         x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_ref, y_tp = full(x_ref), tp(x_tp)
         (y_ref * upstream).sum().backward()

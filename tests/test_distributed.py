@@ -148,7 +148,7 @@ def test_checkpoint_saved_on_2_ranks_loads_on_1_and_replans(two_ranks):
     assert bsrkit.cache_info().misses == 2 * misses  # every plan rebuilt for the loaded patterns
 
 
-@pytest.mark.parametrize("pattern", ["uniform", "skewed"])
+@pytest.mark.parametrize("pattern", ["uniform", "skewed", "one_rank_empty"])
 def test_tensor_parallel_matches_unsharded_layer(two_ranks, pattern):
     result = two_ranks[1]["tp"][pattern]
     per_rank = [(r["nnz"], r["block_rows"]) for r in result["ranks"]]
@@ -159,6 +159,8 @@ def test_tensor_parallel_matches_unsharded_layer(two_ranks, pattern):
         print(f"  rank {rank}: nnz {r['nnz']}, block rows {r['block_rows']}, max abs diffs {r['diffs']}")
     if pattern == "skewed":
         assert result["nnz_first_half_rows"] >= 0.9 * result["nnz"]
+    if pattern == "one_rank_empty":
+        assert per_rank[1][0] == 0
     # Each rank holds its rows only, the ranks cover the layer, balanced by blocks.
     assert sum(nnz for nnz, _ in per_rank) == result["nnz"]
     assert [rows for _, rows in per_rank] == [
