@@ -139,8 +139,11 @@ def _gather_rows(
     """Concatenate the ranks' ``local`` tensors (``counts[r]`` rows on rank ``r``) on every rank; gloo
     gathers equal sizes only, so each rank sends its rows padded to the largest count."""
     pad = max(counts)
-    send = local.new_zeros((pad, *local.shape[1:]))
-    send[: local.shape[0]] = local
+    if local.shape[0] == pad:
+        send = local.contiguous()
+    else:
+        send = local.new_zeros((pad, *local.shape[1:]))
+        send[: local.shape[0]] = local
     gathered = local.new_empty((len(counts) * pad, *local.shape[1:]))
     dist.all_gather_single(gathered, send, group=group)
     if all(c == pad for c in counts):
