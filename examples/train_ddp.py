@@ -64,9 +64,9 @@ def main() -> None:
     model = student(args.features, args.hidden, args.blocksize, args.density)
     teacher = nn.Sequential(nn.Linear(args.features, 64), nn.Tanh(), nn.Linear(64, args.features))
     if args.wrapper == "ddp":
-        # The patterns (index buffers) are fixed and already equal on every rank (DDP broadcasts them
-        # once here): no need to re-broadcast them before every forward.
-        model = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        # The patterns (index buffers) are fixed: DDP copies rank 0's to every rank here, once; copying
+        # them again before every forward is wasted work.
+        model = nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)
     else:
         from torch.distributed.fsdp import fully_shard
 
