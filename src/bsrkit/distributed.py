@@ -181,7 +181,9 @@ class BlockRowParallelBSRLinear(nn.Module):
     - ``crow_indices`` (rebased to start at 0), ``col_indices``: this rank's pattern.
     - ``row_splits``: the block-row boundaries of all ranks (:func:`split_block_rows`).
 
-    The construction checks with one small all-gather that every rank has the same pattern.
+    The construction checks with one small all-gather that every rank has the same pattern. The
+    ``state_dict`` holds this rank's part under the names of ``BSRLinear``'s, so it differs per rank:
+    checkpoint the layer from :meth:`to_bsr_linear` (or the unsharded layer) instead.
     """
 
     crow_indices: torch.Tensor
