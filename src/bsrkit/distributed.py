@@ -1,0 +1,315 @@
+r"""Tensor parallelism for one large block-sparse weight: :class:`BlockRowParallelBSRLinear`.
+
+The weight :math:`W` (``out_features x in_features``) of a :class:`~bsrkit.nn.BSRLinear` is split into
+contiguous ranges of block rows, one per rank of a process group:
+:math:`W = [W_0; W_1; \dots; W_{P-1}]`. Rank :math:`r` keeps only :math:`W_r` (its blocks, their column
+indices, its rows of the bias). With the input :math:`x` the same on every rank (tensor parallelism, not
+data parallelism):
+
+.. math::
+
+    y_r = x W_r^T + b_r \quad\text{(local)}, \qquad y = [y_0, \dots, y_{P-1}] \quad\text{(all-gather)}
+
+and, for a loss computed identically on every rank from the gathered :math:`y`, with
+:math:`G = \partial L / \partial y` and :math:`G_r` its columns of rank :math:`r`:
+
+.. math::
+
+    \partial L / \partial W_r = (G_r^T x)|_{P_r}, \quad \partial L / \partial b_r = \textstyle\sum G_r
+    \quad\text{(local)}, \qquad \partial L / \partial x = \textstyle\sum_r G_r W_r \quad\text{(all-reduce)}.
+
+This is the convention of Megatron-LM's ``ColumnParallelLinear(gather_output=True)`` and of
+``torch.distributed.tensor.parallel.ColwiseParallel(output_layouts=Replicate())``: the backward of the
+gather takes the local slice without communication. (``torch.distributed.nn.functional.all_gather``
+sums the slices over ranks instead, which suits a loss that differs per rank, not this one.)
+
+Rows are split by stored blocks, not by row count (:func:`split_block_rows`), since the work of a rank is
+proportional to its blocks. Splits are therefore uneven in rows, which DTensor's ``Shard`` placement
+(``torch.chunk`` sizes) cannot express; the layer takes a 1-D ``DeviceMesh`` or a process group, and
+runs its two collectives itself (gloo needs equal sizes, so local outputs are padded to the largest).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bsrkit import custom_ops
+from bsrkit.nn import BSRLinear
+
+__all__ = ["BlockRowParallelBSRLinear", "parallelize", "split_block_rows"]
+
+
+def split_block_rows(crow_indices: torch.Tensor, parts: int) -> list[int]:
+    """Boundaries ``b`` (``parts + 1`` block-row indices, ``b[0] = 0``, ``b[-1]`` = block rows) that split
+    the block rows into ``parts`` contiguous ranges ``[b[i], b[i+1])`` minimising the largest number of
+    stored blocks in a range.
+
+    Among the optimal splits the greedy one is taken (each range takes as many rows as fit), so trailing
+    ranges may be lighter or empty. A pattern without stored blocks is split evenly by rows.
+    """
+    if not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"split_block_rows(): expected parts >= 1, got {parts!r}")
+    if crow_indices.dim() != 1 or crow_indices.numel() < 1 or crow_indices.is_floating_point():
+        raise ValueError(
+            "split_block_rows(): expected 1-D integer crow_indices, got "
+            f"{crow_indices.dtype} of shape {tuple(crow_indices.shape)}"
+        )
+    crow = [int(c) for c in crow_indices.tolist()]
+    rows, nnz = len(crow) - 1, crow[-1]
+    if nnz == 0:
+        return [rows * i // parts for i in range(parts + 1)]
+
+    def greedy(cap: int) -> list[int] | None:
+        bounds, start = [0], 0
+        for _ in range(parts):
+            # The furthest stop with crow[stop] - crow[start] <= cap.
+            start = bisect.bisect_right(crow, crow[start] + cap, lo=start) - 1
+            bounds.append(start)
+        return bounds if start == rows else None
+
+    lo = max(-(-nnz // parts), max(b - a for a, b in itertools.pairwise(crow)))
+    hi = nnz
+    while lo < hi:  # the smallest feasible cap; greedy(nnz) always succeeds
+        mid = (lo + hi) // 2
+        if greedy(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    bounds = greedy(lo)
+    assert bounds is not None
+    return bounds
+
+
+def _resolve_group(group: Any) -> dist.ProcessGroup:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "BlockRowParallelBSRLinear(): expected an initialised default process group "
+            "(call torch.distributed.init_process_group first)"
+        )
+    if group is None:
+        return dist.group.WORLD  # type: ignore[return-value]
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"BlockRowParallelBSRLinear(): expected a 1-D DeviceMesh, got {group.ndim}-D")
+        return group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise TypeError(
+        f"BlockRowParallelBSRLinear(): expected a ProcessGroup, a 1-D DeviceMesh or None, got "
+        f"{type(group).__name__}"
+    )
+
+
+class _ReplicatedInput(torch.autograd.Function):
+    """Identity forward; backward sums the partial input gradients of all ranks (``sum_r G_r W_r``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        total = grad.clone(memory_format=torch.contiguous_format)  # all_reduce writes in place
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+def _pairs(bounds: tuple[int, ...]) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(bounds))
+
+
+def _gather_int(n: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_single(everyone, torch.tensor([n], dtype=torch.int64, device=device), group=group)
+    return everyone.tolist()
+
+
+def _gather_rows(
+    local: torch.Tensor, counts: list[int] | tuple[int, ...], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Concatenate the ranks' ``local`` tensors (``counts[r]`` rows on rank ``r``) on every rank; gloo
+    gathers equal sizes only, so each rank sends its rows padded to the largest count."""
+    pad = max(counts)
+    if local.shape[0] == pad:
+        send = local.contiguous()
+    else:
+        send = local.new_zeros((pad, *local.shape[1:]))
+        send[: local.shape[0]] = local
+    gathered = local.new_empty((len(counts) * pad, *local.shape[1:]))
+    dist.all_gather_single(gathered, send, group=group)
+    if all(c == pad for c in counts):
+        return gathered
+    return torch.cat([gathered[i * pad : i * pad + c] for i, c in enumerate(counts)])
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of row blocks of uneven sizes ``counts``; backward takes this rank's rows, no
+    communication (the loss is the same on every rank)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, local: torch.Tensor, group: dist.ProcessGroup, counts: tuple[int, ...], rank: int
+    ) -> torch.Tensor:
+        ctx.rows = (sum(counts[:rank]), counts[rank])
+        return _gather_rows(local, counts, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        start, count = ctx.rows
+        return grad[start : start + count], None, None, None
+
+
+class BlockRowParallelBSRLinear(nn.Module):
+    r"""A :class:`~bsrkit.nn.BSRLinear` whose block rows are split over the ranks of ``group``.
+
+    Built from a full ``layer`` that is identical on every rank (same seed, or loaded from one
+    checkpoint); it copies out this rank's rows, so ``layer`` can be freed afterwards. ``group`` is a
+    process group, a 1-D ``DeviceMesh``, or ``None`` for the default group. The forward takes the same
+    ``x`` on every rank and returns the full output on every rank (see :mod:`bsrkit.distributed` for the
+    formulas). Parameters and buffers hold this rank's part only:
+
+    - ``values``: ``(local nnz, bo, bi)``; ``bias``: ``(local rows * bo,)``
+    - ``crow_indices`` (rebased to start at 0), ``col_indices``: this rank's pattern.
+    - ``row_splits``: the block-row boundaries of all ranks (:func:`split_block_rows`).
+
+    The construction checks with one small all-gather that every rank has the same pattern. The
+    ``state_dict`` holds this rank's part under the names of ``BSRLinear``'s, so it differs per rank:
+    checkpoint the layer from :meth:`to_bsr_linear` (or the unsharded layer) instead.
+    """
+
+    crow_indices: torch.Tensor
+    col_indices: torch.Tensor
+
+    def __init__(self, layer: BSRLinear, group: Any = None) -> None:
+        super().__init__()
+        if not isinstance(layer, BSRLinear):
+            raise TypeError(f"BlockRowParallelBSRLinear(): expected a BSRLinear, got {type(layer).__name__}")
+        self.group = _resolve_group(group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.blocksize = layer.blocksize
+        crow, col = layer.crow_indices, layer.col_indices
+        _check_same_pattern(crow, col, layer, self.group)
+        self.row_splits = tuple(split_block_rows(crow, self.world_size))
+        start, stop = self.row_splits[self.rank], self.row_splits[self.rank + 1]
+        first, last = int(crow[start]), int(crow[stop])
+        self.register_buffer("crow_indices", (crow[start : stop + 1] - first).clone())
+        self.register_buffer("col_indices", col[first:last].clone())
+        self.values = nn.Parameter(layer.values.detach()[first:last].clone(), layer.values.requires_grad)
+        bo = self.blocksize[0]
+        if layer.bias is not None:
+            bias = layer.bias.detach()[start * bo : stop * bo].clone()
+            self.bias: nn.Parameter | None = nn.Parameter(bias, layer.bias.requires_grad)
+        else:
+            self.register_parameter("bias", None)
+
+    @property
+    def local_out_features(self) -> int:
+        return (self.row_splits[self.rank + 1] - self.row_splits[self.rank]) * self.blocksize[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"BlockRowParallelBSRLinear.forward(): expected x.shape[-1] == {self.in_features}, "
+                f"got {x.shape[-1]}"
+            )
+        lead = x.shape[:-1]
+        x2 = _ReplicatedInput.apply(x.reshape(-1, self.in_features), self.group)
+        # y_r^T = W_r x^T: rows of the output features, gathered along the (contiguous) first dimension.
+        y_t = custom_ops.bsr_mm(
+            self.crow_indices,
+            self.col_indices,
+            self.values,
+            x2.mT,
+            self.local_out_features,
+            self.in_features,
+            False,
+        )
+        if self.bias is not None:
+            y_t = y_t + self.bias[:, None]
+        bo = self.blocksize[0]
+        counts = tuple((b - a) * bo for a, b in _pairs(self.row_splits))
+        y = _GatherRows.apply(y_t, self.group, counts, self.rank)
+        return y.mT.reshape(*lead, self.out_features)
+
+    def to_bsr_linear(self) -> BSRLinear:
+        """The whole layer, gathered from all ranks (a collective: every rank of the group calls it and
+        gets the same :class:`~bsrkit.nn.BSRLinear`); for checkpoints and inspection."""
+        nnz = _gather_int(self.values.shape[0], self.group, self.values.device)
+        values = _gather_rows(self.values.detach(), nnz, self.group)
+        col = _gather_rows(self.col_indices, nnz, self.group)
+        row_nnz = _gather_rows(
+            self.crow_indices.diff(), [b - a for a, b in _pairs(self.row_splits)], self.group
+        )
+        bo, bi = self.blocksize
+        layer = BSRLinear(
+            self.in_features,
+            self.out_features,
+            (bo, bi),
+            bias=self.bias is not None,
+            density=0.0,
+            device=values.device,
+            dtype=values.dtype,
+        )
+        layer.crow_indices = torch.cat([row_nnz.new_zeros(1), row_nnz.cumsum(0)])
+        layer.col_indices = col
+        layer.values = nn.Parameter(values)
+        if self.bias is not None:
+            counts = [(b - a) * bo for a, b in _pairs(self.row_splits)]
+            layer.bias = nn.Parameter(_gather_rows(self.bias.detach(), counts, self.group))
+        return layer
+
+    def extra_repr(self) -> str:
+        start, stop = self.row_splits[self.rank], self.row_splits[self.rank + 1]
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"blocksize={self.blocksize}, rank={self.rank}/{self.world_size}, block_rows=[{start}, {stop}), "
+            f"local_blocks={self.values.shape[0]}, bias={self.bias is not None}"
+        )
+
+
+def _check_same_pattern(
+    crow: torch.Tensor, col: torch.Tensor, layer: BSRLinear, group: dist.ProcessGroup
+) -> None:
+    # A rank built with another seed would compute a silently wrong slice: compare a fingerprint.
+    weights = torch.arange(1, col.numel() + 1, dtype=torch.int64, device=col.device)
+    fingerprint = torch.tensor(
+        [
+            layer.out_features,
+            layer.in_features,
+            *layer.blocksize,
+            col.numel(),
+            int((col.to(torch.int64) * weights).sum()),
+            int((crow.to(torch.int64) * torch.arange(1, crow.numel() + 1, device=crow.device)).sum()),
+        ],
+        dtype=torch.int64,
+        device=layer.values.device,  # a device the group's backend serves (gloo: cpu, nccl: cuda)
+    )
+    everyone = fingerprint.new_empty(dist.get_world_size(group) * fingerprint.numel())
+    dist.all_gather_single(everyone, fingerprint, group=group)
+    everyone = everyone.view(-1, fingerprint.numel())
+    if not bool((everyone == fingerprint).all()):
+        raise ValueError(
+            "BlockRowParallelBSRLinear(): expected the same layer shape and pattern on every rank, got "
+            f"fingerprints {everyone.tolist()} (build the layer with the same seed on every rank)"
+        )
+
+
+def parallelize(module: nn.Module, group: Any = None) -> nn.Module:
+    """Replace ``module`` (if a :class:`~bsrkit.nn.BSRLinear`) or each ``BSRLinear`` inside it by a
+    :class:`BlockRowParallelBSRLinear` over ``group``; returns the (new) module."""
+    if isinstance(module, BSRLinear):
+        return BlockRowParallelBSRLinear(module, group)
+    for name, child in list(module.named_children()):
+        setattr(module, name, parallelize(child, group))
+    return module

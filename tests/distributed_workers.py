@@ -1,0 +1,301 @@
+"""Worker processes for tests/test_distributed.py (gloo, CPU), one per rank:
+
+    python tests/distributed_workers.py OUT_DIR SCENARIO [SCENARIO ...]
+
+with MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE in the environment. The scenarios run in order in one
+process group (one start-up for all of them); rank 0 writes ``OUT_DIR/<scenario>.json`` with the figures
+the tests check. Every rank also trains the single-process reference itself: the models are small.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from bsrkit.nn import BSRLinear
+
+T0 = time.perf_counter()
+STEPS = 6
+GLOBAL_BATCH = 32
+
+
+def make_model(seed: int) -> nn.Sequential:
+    """Two BSRLinear layers pruned from seeded dense weights: the pattern depends on ``seed``, the
+    number of blocks does not (15 of 32 and 9 of 32: odd, so FSDP2 shards them unevenly)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        first = BSRLinear.from_dense(nn.Linear(64, 128), 16, density=15 / 32)
+        second = BSRLinear.from_dense(nn.Linear(128, 32), (8, 16), density=9 / 32)
+    return nn.Sequential(first, nn.ReLU(), second)
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(GLOBAL_BATCH, 64, generator=g)
+    y = torch.tanh(x @ torch.randn(64, 32, generator=g) / 8)
+    return x, y
+
+
+def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = STEPS) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
+
+
+def rank_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    n = t.shape[0] // world
+    return t[rank * n : (rank + 1) * n]
+
+
+def mean_over_ranks(losses: list[torch.Tensor], world: int) -> torch.Tensor:
+    # Equal local batches: the mean of the local mean losses is the global-batch mean loss.
+    stacked = torch.stack(losses)
+    torch.distributed.all_reduce(stacked)
+    return stacked / world
+
+
+def compare_weights(model: nn.Module, ref: nn.Module, full: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    ours = {k: full(v) for k, v in model.state_dict().items()}
+    theirs = ref.state_dict()
+    assert ours.keys() == theirs.keys(), (ours.keys(), theirs.keys())
+    return {
+        "weights_max_abs": max(max_abs(ours[k], theirs[k]) for k in ours if "indices" not in k),
+        "patterns_equal": all(torch.equal(ours[k], theirs[k]) for k in ours if "indices" in k),
+    }
+
+
+def scenario_ddp(rank: int, world: int, out: Path) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    import bsrkit
+
+    x, y = make_data()
+    ref = make_model(0)
+    bsrkit.cache_clear()
+    ref_losses = torch.stack(train(ref, x, y))
+    result: dict[str, Any] = {"single_process_plan_misses": bsrkit.cache_info().misses}
+    # DDP's default broadcast_buffers=True copies the index buffers from rank 0 before every forward
+    # (without bumping their version counters); the plans must be built once, not once per step.
+    ddp = DistributedDataParallel(make_model(0))
+    bsrkit.cache_clear()
+    losses = mean_over_ranks(train(ddp, rank_slice(x, rank, world), rank_slice(y, rank, world)), world)
+    result.update(
+        losses_max_abs=max_abs(losses, ref_losses),
+        **compare_weights(ddp.module, ref, lambda t: t),
+        plan_misses_per_rank=_gather_ints(bsrkit.cache_info().misses, world),
+    )
+    result["losses"] = ref_losses.tolist()
+    return result
+
+
+def scenario_fsdp2(rank: int, world: int, out: Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    x, y = make_data()
+    ref = make_model(0)
+    model = make_model(0)
+    layers = [m for m in model if isinstance(m, BSRLinear)]
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    sharding = []
+    for layer in layers:
+        values = layer.values
+        assert isinstance(values, DTensor), type(values)
+        # Replicated patterns: plain tensors, identical on every rank.
+        patterns = [None] * world
+        torch.distributed.all_gather_object(patterns, (layer.crow_indices, layer.col_indices))
+        sharding.append(
+            {
+                "values_is_dtensor": isinstance(values, DTensor),
+                "values_placements": [str(p) for p in values.placements],
+                "values_sharded_on_dim0": values.placements == (Shard(0),),
+                "values_global_shape": list(values.shape),
+                "values_local_rows": [int(n) for n in _gather_ints(values.to_local().shape[0], world)],
+                "buffers_plain": not isinstance(layer.crow_indices, DTensor)
+                and not isinstance(layer.col_indices, DTensor),
+                "buffers_replicated": all(
+                    torch.equal(c, layer.crow_indices) and torch.equal(k, layer.col_indices)
+                    for c, k in patterns  # type: ignore[misc]
+                ),
+            }
+        )
+    ref_losses = torch.stack(train(ref, x, y))
+    losses = mean_over_ranks(train(model, rank_slice(x, rank, world), rank_slice(y, rank, world)), world)
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    result = {
+        "losses_max_abs": max_abs(losses, ref_losses),
+        **compare_weights(model, ref, full),
+        "sharding": sharding,
+    }
+    # A sharded checkpoint of the trained model, for the 2 -> 1 load in the test process.
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(out / "checkpoint"))
+    x_eval = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y_eval = model(x_eval)
+    dense = [  # the trained model's weights (full_tensor is collective: every rank calls it)
+        torch.sparse_bsr_tensor(
+            m.crow_indices, m.col_indices, full(m.values).detach(), (m.out_features, m.in_features)
+        ).to_dense()
+        for m in layers
+    ]
+    if rank == 0:
+        torch.save({"x": x_eval, "y": y_eval, "dense": dense}, out / "checkpoint_expected.pt")
+    return result
+
+
+def _gather_ints(n: int, world: int) -> list[int]:
+    everyone = [0] * world
+    torch.distributed.all_gather_object(everyone, n)
+    return everyone
+
+
+def skewed_layer(seed: int) -> BSRLinear:
+    """256 x 128, blocks 16: 16 x 8 block grid, 64 blocks kept; the first 8 block rows hold 58 (90%)."""
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(128, 256)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(256, 128, generator=g) * 1e-3)
+        lin.bias.copy_(torch.randn(256, generator=g))
+        blocks = lin.weight.view(16, 16, 8, 16).transpose(1, 2)  # (block row, block col, 16, 16) view
+        top = torch.randperm(64, generator=g)[:58]
+        bottom = 64 + torch.randperm(64, generator=g)[:6]
+        for i in torch.cat([top, bottom]).tolist():
+            blocks[i // 8, i % 8] = torch.randn(16, 16, generator=g)  # large: from_dense keeps these
+    return BSRLinear.from_dense(lin, 16, density=0.5)
+
+
+def top_row_layer(seed: int) -> BSRLinear:
+    """16 x 32, blocks 8: all 4 stored blocks in block row 0, so the other rank holds no rows at all."""
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(32, 16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(16, 32, generator=g))
+        lin.weight[8:] *= 1e-3
+        lin.bias.copy_(torch.randn(16, generator=g))  # not nn.Linear's: the global RNG differs per rank
+    return BSRLinear.from_dense(lin, 8, density=0.5)
+
+
+def uniform_layer(seed: int) -> BSRLinear:
+    return BSRLinear(128, 256, (16, 8), density=0.3, generator=torch.Generator().manual_seed(seed))
+
+
+def _same_layer(a: BSRLinear, b: BSRLinear) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def scenario_tp(rank: int, world: int, out: Path) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bsrkit.distributed import BlockRowParallelBSRLinear
+
+    results = {}
+    mesh = init_device_mesh("cpu", (world,))
+    cases = (
+        ("uniform", uniform_layer, None),
+        ("skewed", skewed_layer, mesh),
+        ("one_rank_empty", top_row_layer, None),
+    )
+    for name, factory, group in cases:
+        full = factory(3)
+        tp = BlockRowParallelBSRLinear(copy.deepcopy(full), group)
+        g = torch.Generator().manual_seed(4)
+        x = torch.randn(3, 5, full.in_features, generator=g)
+        upstream = torch.randn(3, 5, full.out_features, generator=g)
+        x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_ref, y_tp = full(x_ref), tp(x_tp)
+        (y_ref * upstream).sum().backward()
+        (y_tp * upstream).sum().backward()
+        start, stop = tp.row_splits[rank], tp.row_splits[rank + 1]
+        first, last = int(full.crow_indices[start]), int(full.crow_indices[stop])
+        bo = full.blocksize[0]
+        assert full.bias is not None and tp.bias is not None and full.values.grad is not None
+        pairs = {
+            "output": (y_tp, y_ref),
+            "grad_x": (x_tp.grad, x_ref.grad),
+            "grad_values": (tp.values.grad, full.values.grad[first:last]),
+            "grad_bias": (tp.bias.grad, full.bias.grad[start * bo : stop * bo]),
+        }
+        diffs = {k: max_abs(a, b) for k, (a, b) in pairs.items()}  # type: ignore[arg-type]
+        scale = {k: float(b.abs().max()) if b.numel() else 0.0 for k, (_, b) in pairs.items()}
+        everyone: list[Any] = [None] * world
+        torch.distributed.all_gather_object(
+            everyone,
+            {
+                "nnz": tp.values.shape[0],
+                "block_rows": [start, stop],
+                "diffs": diffs,
+                "scale": scale,
+                "pattern_is_local": torch.equal(tp.col_indices, full.col_indices[first:last])
+                and tp.crow_indices[0] == 0
+                and torch.equal(tp.crow_indices + first, full.crow_indices[start : stop + 1]),
+                "values_equal_slice": torch.equal(tp.values, full.values[first:last]),
+                "gathered_equals_full": _same_layer(tp.to_bsr_linear(), full),
+            },
+        )
+        half = full.crow_indices.shape[0] // 2
+        results[name] = {
+            "nnz": full.values.shape[0],
+            "nnz_first_half_rows": int(full.crow_indices[half]),
+            "block_rows": full.crow_indices.shape[0] - 1,
+            "row_counts": full.crow_indices.diff().tolist(),
+            "ranks": everyone,
+        }
+    # Ranks built with different seeds: every rank refuses (none is left waiting in a collective).
+    try:
+        BlockRowParallelBSRLinear(uniform_layer(rank))
+    except ValueError as exc:
+        results["mismatched_pattern_error"] = "same layer shape and pattern on every rank" in str(exc)
+    else:
+        results["mismatched_pattern_error"] = False
+    return results
+
+
+SCENARIOS = {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2, "tp": scenario_tp}
+
+
+def main() -> None:
+    print(f"started after {time.perf_counter() - T0:.1f} s", flush=True)
+    out, names = Path(sys.argv[1]), sys.argv[2:]
+    torch.set_num_threads(1)
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")  # in case BSRKIT_BACKEND=cpu (numba not loaded yet)
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    try:
+        for name in names:
+            start = time.perf_counter()
+            result = SCENARIOS[name](rank, world, out)
+            print(f"rank {rank}: {name} took {time.perf_counter() - start:.1f} s", flush=True)
+            if rank == 0:
+                (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    finally:
+        torch.distributed.destroy_process_group()
+    print(f"rank {rank}: done {names} (pid {os.getpid()})")
+
+
+if __name__ == "__main__":
+    main()
