@@ -80,10 +80,9 @@ def _softmax_kernel(
             row_sum = row_sum * tl.exp(row_max - shift) + tl.sum(tl.exp(z - shift[:, None]), 1)
             row_max = new_max
     shift = tl.where(row_max == float("-inf"), 0.0, row_max)
-    if ZERO_EMPTY_ROWS:
-        inv = tl.where(row_sum == 0.0, 0.0, 1.0 / row_sum)
-    else:
-        inv = 1.0 / row_sum  # 0 * inf = NaN for a row of -inf, as torch.softmax
+    # A row of -inf only (sum 0): 0, or NaN as torch.softmax gives.
+    inv = 1.0 / tl.where(row_sum == 0.0, 1.0, row_sum)
+    inv = tl.where(row_sum == 0.0, 0.0 if ZERO_EMPTY_ROWS else float("nan"), inv)
     for g in range(g0, g1):
         for n0 in range(0, Ns, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
