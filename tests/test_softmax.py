@@ -1,4 +1,4 @@
-"""bsr_softmax against the dense reference (softmax over stored entries, unstored = -inf), on every backend."""
+"""bsr_softmax against the dense reference (softmax over stored entries, unstored = -inf), all backends."""
 
 import math
 
