@@ -10,8 +10,8 @@ per shape and mask).
     python benchmarks/attention.py                      # the grid of docs/performance.md
     python benchmarks/attention.py --L 4096 --densities 0.25 --repeats 5
 
-The machine may be shared: every figure is a median, and the ratios compare methods measured in the
-same run, interleaved point by point.
+The machine may be shared: every figure is a median, and the methods are interleaved call by call, so
+that the ratios compare methods under the same load.
 """
 
 from __future__ import annotations
@@ -28,16 +28,6 @@ import torch.nn.functional as F
 
 import bsrkit
 from bsrkit.attention import sliding_window_mask
-
-
-def _median(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _rss_kib(field: str) -> int | None:
@@ -72,7 +62,7 @@ def run_point(L: int, density: float, repeats: int, methods: list[str]) -> list[
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn((1, H, L, D), generator=g) for _ in range(3))
     grad = torch.randn((1, H, L, D), generator=g)
-    rows = []
+    rows: list[dict[str, object]] = []
     for method in methods:
         info: dict[str, object] = {}
         if method == "bsrkit":
@@ -134,14 +124,29 @@ def run_point(L: int, density: float, repeats: int, methods: list[str]) -> list[
                 t.grad = None
             return None
 
-        info["fwd_s"] = _median(fwd, repeats)
-        info["fwd_peak_mib"] = _peak_mib(fwd)
-        try:
-            info["fwd_bwd_s"] = _median(fwd_bwd, repeats)
-            info["peak_mib"] = _peak_mib(fwd_bwd)
-        except Exception as e:  # FlexAttention has no CPU backward in torch 2.13 (NotImplementedError)
-            info["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+        info["_fwd"], info["_fwd_bwd"] = fwd, fwd_bwd
         rows.append({"L": L, "density": density, "window": w, "method": method, **info})
+    # Interleaved: every repeat times each method once, so that load from other processes falls on all.
+    for mode in ("fwd", "fwd_bwd"):
+        live = [r for r in rows if f"_{mode}" in r]
+        for r in list(live):
+            try:
+                r[f"_{mode}"]()  # warm-up (compiles, caches)
+            except Exception as e:  # FlexAttention has no CPU backward in torch 2.13 (NotImplementedError)
+                r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+                live.remove(r)
+        times: dict[int, list[float]] = {id(r): [] for r in live}
+        for _ in range(repeats):
+            for r in live:
+                t0 = time.perf_counter()
+                r[f"_{mode}"]()
+                times[id(r)].append(time.perf_counter() - t0)
+        for r in live:
+            r[f"{mode}_s"] = statistics.median(times[id(r)])
+            r["fwd_peak_mib" if mode == "fwd" else "peak_mib"] = _peak_mib(r[f"_{mode}"])
+    for r in rows:
+        r.pop("_fwd")
+        r.pop("_fwd_bwd")
     return rows
 
 

@@ -114,7 +114,7 @@ def scaled_dot_product_attention(
     args = (backends, a, bias, float(scale), float(dropout_p), batch)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return _Attention.apply(query, key, value, *args)
-    return _forward(query, key, value, *args)[0]
+    return _forward(query, key, value, *args, need_weights=False)[0]
 
 
 def _check_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
@@ -207,9 +207,16 @@ def _forward(
     scale: float,
     dropout_p: float,
     batch: torch.Size,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(output, attention weights W at the stored blocks, dropout's kept set or None)."""
+    need_weights: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(output, attention weights W at the stored blocks, dropout's kept set or None); W is None when
+    ``need_weights`` is False and the fused kernel ran."""
     sampled, softmax, addmm = backends
+    fused = getattr(addmm, "attention_forward", None)  # an optional capability (CPU: one fused loop)
+    if fused is not None and dropout_p == 0 and sampled is addmm and softmax is addmm and a.nnz:
+        result = fused(a, query, key, value, bias, scale, need_weights)
+        if result is not None:
+            return result[0], result[1], None
     scores = dispatch.sampled(_SAMPLED, sampled, a, query, key.mT, batch, scale)
     weights = dispatch.softmax(softmax, a, scores, bias, zero_empty_rows=True)
     del scores

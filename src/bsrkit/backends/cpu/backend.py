@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+import bsrkit.backends.cpu.attention_kernels as attention_kernels
 import bsrkit.backends.cpu.kernels as kernels
 import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit import plans
@@ -299,3 +300,46 @@ class CpuBackend:
             _set_numba_threads(nthreads)
             kernel(crow, y4.numpy(), g4.numpy(), out.numpy())
         return out.reshape(y.shape).to(y.dtype)
+
+    def attention_forward(
+        self,
+        a: Operand,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        bias: torch.Tensor | None,
+        scale: float,
+        need_weights: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Fused ``softmax(scale * (Q K^T)|P + bias) V`` (an optional capability, float32/float64;
+        None where it does not apply): the output ``(*batch, L, Ev)`` and, if ``need_weights``, the
+        weights ``(*batch, nnz, Ms, Ns)``. ``a``'s indices have the call's batch."""
+        if query.dtype not in (torch.float32, torch.float64) or not self._kernels_available():
+            return None
+        kernel = attention_kernels.attention_kernel()
+        batch = a.batch
+        nnz, Ms, Ns = a.values.shape[-3:]
+        B = math.prod(batch)
+        L, S = a.M, a.K
+        E, Ev = query.shape[-1], value.shape[-1]
+        q = query.expand(*batch, L, E).reshape(B, L, E).contiguous()
+        k = key.expand(*batch, S, E).reshape(B, S, E).contiguous()
+        v = value.expand(*batch, S, Ev).reshape(B, S, Ev).contiguous()
+        out = torch.empty((B, L, Ev), dtype=query.dtype)
+        weights = torch.empty((B, nnz, Ms, Ns) if need_weights else (1, 1, 1, Ns), dtype=query.dtype)
+        if bias is None:
+            bias4 = weights.new_zeros((1, 1, 1, Ns))
+            bias_of = np.zeros(B, dtype=np.int64)
+        else:
+            bias4 = bias.to(query.dtype).contiguous().reshape(-1, nnz, Ms, Ns)
+            bias_of = _bsr_batch_of(bias.shape[:-3], batch)
+        plan = plans.cpu_mm_plan(a.source)
+        nthreads = max(1, torch.get_num_threads())
+        with _KERNEL_LOCK:
+            _set_numba_threads(nthreads)
+            kernel(
+                plan.crow, plan.col, q.numpy(), k.numpy(), v.numpy(), bias4.numpy(), bias_of,
+                bias is not None, out.numpy(), weights.numpy(), need_weights, scale, Ms, Ns,
+                query.dtype == torch.float64, nthreads,
+            )  # fmt: skip
+        return out.reshape(*batch, L, Ev), weights.reshape(*batch, nnz, Ms, Ns) if need_weights else None

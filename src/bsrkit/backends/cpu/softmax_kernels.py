@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["softmax_backward_kernel", "softmax_kernel"]
+__all__ = ["row_normalizer", "softmax_backward_kernel", "softmax_kernel"]
 
 # Every fast-math flag except 'nnan' and 'ninf': -inf (excluded entries) and NaN must keep their meaning.
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -33,7 +33,49 @@ _C3, _C2, _C1 = np.float32(5.5504109e-2), np.float32(2.4022651e-1), np.float32(6
 _ONE = np.float32(1.0)
 _FLUSH = np.float32(-87.0)
 
-numba: Any = None  # the module, set by _numba() before compiling (the loops name numba.prange)
+# Set by _numba() before compiling: the loops name the module numba and the compiled normalize_row.
+numba: Any = None
+normalize_row: Any = None
+
+
+def _normalize_row(row, scale_bits, zero_empty_rows, fast_exp):
+    """row := softmax(row) in place (row holds x + bias); a row of -inf only becomes 0 or NaN.
+    ``scale_bits`` is int32 scratch of row's length (the float32 exp's powers of two)."""
+    n = row.shape[0]
+    m = row.dtype.type(-np.inf)
+    for k in range(n):
+        m = max(m, row[k])
+    if m == -np.inf:  # every entry excluded
+        row[:] = row.dtype.type(0.0 if zero_empty_rows else np.nan)
+        return
+    if fast_exp:
+        scales = scale_bits.view(np.float32)
+        for k in range(n):
+            t = row[k] - m  # <= 0, or NaN
+            tc = _FLUSH if t < _FLUSH else t  # NaN passes through (the comparison is False)
+            v = tc * _LOG2E
+            e = np.floor(v + np.float32(0.5))
+            f = v - e
+            p = _C6 * f + _C5
+            p = p * f + _C4
+            p = p * f + _C3
+            p = p * f + _C2
+            p = p * f + _C1
+            p = p * f + _ONE
+            row[k] = p
+            # 2**e as float bits; 0.0 below the flush threshold (exp(-inf) = 0 exactly).
+            scale_bits[k] = 0 if t < _FLUSH else (np.int32(e) + np.int32(127)) << np.int32(23)
+        for k in range(n):
+            row[k] = row[k] * scales[k]
+    else:
+        for k in range(n):
+            row[k] = np.exp(row[k] - m)
+    s = row.dtype.type(0.0)
+    for k in range(n):
+        s += row[k]
+    inv = row.dtype.type(1.0) / s
+    for k in range(n):
+        row[k] = row[k] * inv
 
 
 def _softmax_rows(crow, x, bias, bias_of, has_bias, out, zero_empty_rows, fast_exp):
@@ -50,11 +92,9 @@ def _softmax_rows(crow, x, bias, bias_of, has_bias, out, zero_empty_rows, fast_e
         n = (g1 - g0) * Ns
         row = np.empty(n, x.dtype)
         scale_bits = np.empty(n, np.int32)
-        scales = scale_bits.view(np.float32)
         bb = bias_of[b]
         for i in range(Ms):
             # Gather the row (x + bias) contiguously, and its maximum.
-            m = row.dtype.type(-np.inf)
             for g in range(g0, g1):
                 base = (g - g0) * Ns
                 if has_bias:
@@ -63,43 +103,11 @@ def _softmax_rows(crow, x, bias, bias_of, has_bias, out, zero_empty_rows, fast_e
                 else:
                     for j in range(Ns):
                         row[base + j] = x[b, g, i, j]
-            for k in range(n):
-                m = max(m, row[k])
-            if m == -np.inf:  # every entry excluded
-                fill = row.dtype.type(0.0 if zero_empty_rows else np.nan)
-                for g in range(g0, g1):
-                    for j in range(Ns):
-                        out[b, g, i, j] = fill
-                continue
-            if fast_exp:
-                for k in range(n):
-                    t = row[k] - m  # <= 0, or NaN
-                    tc = _FLUSH if t < _FLUSH else t  # NaN passes through (the comparison is False)
-                    v = tc * _LOG2E
-                    e = np.floor(v + np.float32(0.5))
-                    f = v - e
-                    p = _C6 * f + _C5
-                    p = p * f + _C4
-                    p = p * f + _C3
-                    p = p * f + _C2
-                    p = p * f + _C1
-                    p = p * f + _ONE
-                    row[k] = p
-                    # 2**e as float bits; 0.0 below the flush threshold (exp(-inf) = 0 exactly).
-                    scale_bits[k] = 0 if t < _FLUSH else (np.int32(e) + np.int32(127)) << np.int32(23)
-                for k in range(n):
-                    row[k] = row[k] * scales[k]
-            else:
-                for k in range(n):
-                    row[k] = np.exp(row[k] - m)
-            s = row.dtype.type(0.0)
-            for k in range(n):
-                s += row[k]
-            inv = row.dtype.type(1.0) / s
+            normalize_row(row, scale_bits, zero_empty_rows, fast_exp)
             for g in range(g0, g1):
                 base = (g - g0) * Ns
                 for j in range(Ns):
-                    out[b, g, i, j] = row[base + j] * inv
+                    out[b, g, i, j] = row[base + j]
 
 
 def _softmax_backward_rows(crow, y, grad, out):
@@ -123,11 +131,18 @@ def _softmax_backward_rows(crow, y, grad, out):
 
 @functools.cache
 def _numba() -> Any:
-    global numba
+    global numba, normalize_row
     import numba as numba_module  # deferred: importing numba costs ~0.3 s and is needed only here
 
     numba = numba_module
+    normalize_row = numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(_normalize_row)
     return numba
+
+
+def row_normalizer() -> Any:
+    """The compiled in-place row softmax, for other compiled loops (the fused attention kernel)."""
+    _numba()
+    return normalize_row
 
 
 @functools.cache
