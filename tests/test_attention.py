@@ -147,6 +147,23 @@ def test_backward_reuses_the_mask_plans():
     assert plans.cache_info().misses == misses
 
 
+def test_no_entry_outlives_the_mask():
+    import gc
+    import weakref
+
+    def run():
+        mask = bsrkit.sliding_window_mask(16, 4, 4)
+        q = torch.randn(2, 3, 16, 4, requires_grad=True)
+        bsrkit.scaled_dot_product_attention(q, q, q, mask, is_causal=True).sum().backward()
+        return weakref.ref(mask)
+
+    before = plans.cache_info().currsize
+    ref = run()
+    gc.collect()
+    assert ref() is None
+    assert plans.cache_info().currsize == before
+
+
 def test_arguments():
     mask = bsrkit.sliding_window_mask(8, 2, 4)
     q = torch.randn(8, 4)

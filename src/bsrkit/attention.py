@@ -153,12 +153,14 @@ def _check_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
 
 @weak_lru_cache(maxsize=64)
 def _expanded_pattern(mask: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
-    # Views of the mask's members (no copies); cached so that the plans keyed on it live with the mask.
-    crow, col, values = mask.crow_indices(), mask.col_indices(), mask.values()
+    # Views of the mask's indices (no copies); cached so that the plans keyed on it live with the mask.
+    # Not of its values: mask.values() is a view whose base is the mask, which the entry would keep alive.
+    crow, col = mask.crow_indices(), mask.col_indices()
+    block = mask.values().shape[-3:]
     return torch.sparse_bsr_tensor(
         crow.expand(*batch, crow.shape[-1]),
         col.expand(*batch, col.shape[-1]),
-        values.expand(*batch, *values.shape[-3:]),
+        torch.zeros((), dtype=torch.bool, device=mask.device).expand(*batch, *block),
         size=(*batch, *mask.shape[-2:]),
         check_invariants=False,  # views of a BSR tensor torch accepted
     )
