@@ -2,9 +2,17 @@
 
 The products mirror ``torch.sparse._triton_ops`` so that switching is a change of import. Plans (index
 data derived from a BSR tensor's indices) are cached under memory-identity keys held through weak
-references: an entry lives exactly as long as the tensor it was computed from.
+references: an entry lives exactly as long as the index memory it was computed from.
 """
 
+from bsrkit.attention import (
+    block_local_mask,
+    causal_mask,
+    mask_from_block_mask,
+    mask_from_dense,
+    scaled_dot_product_attention,
+    sliding_window_mask,
+)
 from bsrkit.cache import CacheInfo, weak_lru_cache
 from bsrkit.keys import TensorKey
 from bsrkit.ops import (
@@ -18,6 +26,7 @@ from bsrkit.ops import (
     scatter_mm,
 )
 from bsrkit.plans import cache_clear, cache_info
+from bsrkit.softmax import bsr_softmax
 
 __version__ = "0.1.0"
 
@@ -26,15 +35,22 @@ __all__ = [
     "TensorKey",
     "__version__",
     "_int_bsr_dense_addmm",
+    "block_local_mask",
     "bsr_dense_addmm",
     "bsr_dense_mm",
     "bsr_scatter_mm",
     "bsr_scatter_mm_indices_data",
+    "bsr_softmax",
     "bsr_transposed_dense_mm",
     "cache_clear",
     "cache_info",
+    "causal_mask",
+    "mask_from_block_mask",
+    "mask_from_dense",
     "sampled_addmm",
+    "scaled_dot_product_attention",
     "scatter_mm",
+    "sliding_window_mask",
     "weak_lru_cache",
 ]
 

@@ -17,7 +17,16 @@ from bsrkit import tuning
 from bsrkit.backends import BACKENDS, Backend
 from bsrkit.operand import Operand
 
-__all__ = ["BACKEND_ENV", "addmm", "sampled", "scatter_mm", "select", "select_backend"]
+__all__ = [
+    "BACKEND_ENV",
+    "addmm",
+    "sampled",
+    "scatter_mm",
+    "select",
+    "select_backend",
+    "softmax",
+    "softmax_backward",
+]
 
 BACKEND_ENV = "BSRKIT_BACKEND"
 
@@ -206,3 +215,24 @@ def scatter_mm(
     )
     backend.scatter_mm(blocks, others, indices_data, accumulators, params)
     return accumulators
+
+
+def softmax(
+    backend: Backend,
+    a: Operand,
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    zero_empty_rows: bool = False,
+) -> torch.Tensor:
+    """Row softmax of ``x (+ bias)`` over ``a``'s stored entries (see ``Backend.softmax``); values of
+    ``x``'s shape. The empty case (no entry at all) returns an empty tensor without calling the backend."""
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    return backend.softmax(a, x, bias, zero_empty_rows)
+
+
+def softmax_backward(backend: Backend, a: Operand, y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``y * (grad - sum_row(grad * y))`` over ``a``'s stored entries (see ``Backend.softmax_backward``)."""
+    if y.numel() == 0:
+        return torch.empty_like(y)
+    return backend.softmax_backward(a, y, grad)

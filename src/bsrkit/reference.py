@@ -6,6 +6,7 @@ indices (independently of torch's sparse kernels), and half types are computed i
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -15,9 +16,11 @@ __all__ = [
     "bsr_dense_addmm",
     "bsr_dense_mm",
     "bsr_scatter_mm",
+    "bsr_softmax",
     "bsr_to_dense",
     "bsr_transposed_dense_mm",
     "sampled_addmm",
+    "scaled_dot_product_attention",
     "scatter_mm",
 ]
 
@@ -143,3 +146,51 @@ def sampled_addmm(
         full = full + beta * bsr_to_dense(input).double()
     mask = block_mask(input)
     return torch.where(mask, full, torch.zeros((), dtype=torch.float64)).to(mat1.dtype)
+
+
+def bsr_softmax(input: torch.Tensor) -> torch.Tensor:
+    """Dense result (float64): softmax over each row's stored entries (unstored = -inf); rows with no
+    stored entry are 0. Entries outside the stored blocks are 0."""
+    mask = block_mask(input)
+    scores = torch.where(mask, bsr_to_dense(input).double(), -torch.inf)
+    y = torch.softmax(scores, dim=-1)
+    return torch.where(mask.any(-1, keepdim=True), y, 0.0)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor,
+    dropout_keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Masked dense attention, in the inputs' dtype and differentiable (float64 inputs for gradients).
+
+    Only the stored blocks of the BSR ``attn_mask`` take part; within them a bool mask's False entries
+    are excluded and a float mask's values are added to the scores; ``is_causal`` further excludes
+    ``j > i``. Rows with nothing left give 0. ``dropout_keep`` (bool, ``(..., L, S)``) is the kept set of
+    a dropout of rate ``dropout_p``.
+    """
+    L, S = query.shape[-2], key.shape[-2]
+    scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
+    allowed = block_mask(attn_mask)
+    values = bsr_to_dense(attn_mask)
+    bias = torch.zeros(values.shape, dtype=query.dtype)
+    if attn_mask.dtype == torch.bool:
+        allowed = allowed & values
+    else:
+        bias = values.to(query.dtype)
+    if is_causal:
+        allowed = allowed & torch.ones(L, S, dtype=torch.bool).tril()
+    scores = (query @ key.mT) * scale + bias
+    # Rows with nothing allowed get finite scores before the softmax and weight 0 after it (a NaN in
+    # the unselected branch of a where would still poison the gradient).
+    nonempty = allowed.any(-1, keepdim=True)
+    scores = scores.masked_fill(~allowed, -torch.inf).masked_fill(~nonempty, 0.0)
+    weights = torch.softmax(scores, dim=-1) * nonempty
+    if dropout_keep is not None:
+        weights = torch.where(dropout_keep, weights / (1 - dropout_p), 0.0)
+    return weights @ value

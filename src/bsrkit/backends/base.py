@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["KERNELS", "Backend", "ParamSpec", "int_at_least_one", "power_of_two_at_least_16"]
 
-# What a backend may be asked to run (``not_supported_reasons`` names one of these). softmax and int8
-# products will be added here, each as a method of the contract below.
-KERNELS = ("addmm", "sampled", "scatter_mm")
+# What a backend may be asked to run (``not_supported_reasons`` names one of these). int8 products will
+# be added here, each as a method of the contract below. "softmax" covers both of its methods.
+KERNELS = ("addmm", "sampled", "scatter_mm", "softmax")
 
 
 class ParamSpec(NamedTuple):
@@ -117,4 +117,30 @@ class Backend(Protocol):
         """``accumulators += scatter_mm(blocks, others, indices_data)`` in one of the three indices
         formats (semantics in :func:`bsrkit.ops.scatter_mm`). For the ``bsr_strided_mm*`` formats
         ``others`` is ``(*B, K, N)`` and ``accumulators`` ``(*B, M, N)``."""
+        ...
+
+    def softmax(
+        self,
+        a: Operand,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        zero_empty_rows: bool,
+    ) -> torch.Tensor:
+        r"""Row softmax over the stored entries: ``Y[b, g, i, j] = exp(Z[b, g, i, j] - m) / s`` with
+        :math:`Z = x + \mathrm{bias}`, ``m`` the maximum and ``s`` the sum of ``exp(Z - m)`` over the
+        row's stored entries (every block ``g'`` of the block row of ``g``, row ``i``, all ``j``).
+
+        ``x`` is ``(*batch, nnz, Ms, Ns)`` and ``a``'s indices have that batch (``a.crow`` is
+        ``(*batch, MB + 1)``); ``bias`` is None or ``(*Bm, nnz, Ms, Ns)`` broadcasting to ``x``, may hold
+        ``-inf`` (entry excluded) and has ``x``'s dtype (float32 for half ``x``). A row whose entries are
+        all ``-inf`` gives 0 with ``zero_empty_rows``, else NaN (as ``torch.softmax``). Half types are
+        computed in float32. Returns a new tensor of ``x``'s shape and dtype; never called with
+        ``x.numel() == 0``."""
+        ...
+
+    def softmax_backward(self, a: Operand, y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The softmax's vector-Jacobian product on the stored entries: ``dX = Y * (dY - r)`` with
+        ``r = sum over the row of dY * Y``. ``y`` (the softmax's result) and ``grad`` are
+        ``(*batch, nnz, Ms, Ns)`` with ``a``'s indices batched as in :meth:`softmax`; returns a new
+        tensor in ``y``'s dtype."""
         ...

@@ -19,7 +19,15 @@ from bsrkit.backends.batching import block_coordinates, flatten_addmm, flatten_s
 if TYPE_CHECKING:
     from bsrkit.operand import Operand
 
-__all__ = ["TorchBackend", "accumulate_dtype", "bsr_mm_into", "sampled_blocks", "scatter_mm_into"]
+__all__ = [
+    "TorchBackend",
+    "accumulate_dtype",
+    "bsr_mm_into",
+    "sampled_blocks",
+    "scatter_mm_into",
+    "softmax_backward_blocks",
+    "softmax_blocks",
+]
 
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -237,3 +245,66 @@ class TorchBackend:
         scatter_mm_into(blocks, others3, indices_data, acc3)
         if copied:
             accumulators.copy_(acc3.view(accumulators.shape))
+
+    def softmax(
+        self,
+        a: Operand,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        zero_empty_rows: bool,
+    ) -> torch.Tensor:
+        batch = x.shape[:-3]
+        rows, _ = block_coordinates(a, batch)
+        x3 = x.reshape(-1, *x.shape[-3:])
+        bias3 = None if bias is None else bias.expand(x.shape).reshape(x3.shape)
+        y = softmax_blocks(rows, a.M // x.shape[-2], x3, bias3, zero_empty_rows)
+        return y.reshape(x.shape)
+
+    def softmax_backward(self, a: Operand, y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        rows, _ = block_coordinates(a, y.shape[:-3])
+        y3 = y.reshape(-1, *y.shape[-3:])
+        dx = softmax_backward_blocks(rows, a.M // y.shape[-2], y3, grad.reshape(y3.shape))
+        return dx.reshape(y.shape)
+
+
+# -- the block-row softmax (``TorchBackend.softmax``): segment reductions over each block row ---------
+
+
+def _row_reduce(rows: torch.Tensor, MB: int, per_block: torch.Tensor, reduce: str) -> torch.Tensor:
+    """``per_block (B, nnz, Ms)`` reduced over the blocks of each block row, gathered back per block."""
+    B, nnz, Ms = per_block.shape
+    index = rows[:, :, None].expand(B, nnz, Ms)
+    init = -torch.inf if reduce == "amax" else 0.0
+    per_row = torch.full((B, MB, Ms), init, dtype=per_block.dtype, device=per_block.device)
+    per_row.scatter_reduce_(1, index, per_block, reduce, include_self=True)
+    return per_row.gather(1, index)
+
+
+def softmax_blocks(
+    rows: torch.Tensor,  # (B, nnz) block row of each block
+    MB: int,  # block rows
+    x: torch.Tensor,  # (B, nnz, Ms, Ns)
+    bias: torch.Tensor | None,  # (B, nnz, Ms, Ns) or None
+    zero_empty_rows: bool,
+) -> torch.Tensor:
+    """Softmax over each row's stored entries (see ``Backend.softmax``), in x's dtype."""
+    acc_dtype = accumulate_dtype(x.dtype)
+    z = x.to(acc_dtype)
+    if bias is not None:
+        z = z + bias.to(acc_dtype)
+    m = _row_reduce(rows, MB, z.amax(-1), "amax")
+    # A row of -inf only: shift by 0, so that exp gives 0 and the sum 0 (0 / 0 = NaN, as torch.softmax).
+    m = torch.where(m == -torch.inf, 0.0, m)
+    e = torch.exp(z - m[..., None])
+    s = _row_reduce(rows, MB, e.sum(-1), "sum")
+    if zero_empty_rows:
+        s = torch.where(s == 0, 1.0, s)
+    return (e / s[..., None]).to(x.dtype)
+
+
+def softmax_backward_blocks(rows: torch.Tensor, MB: int, y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``y * (grad - sum_row(grad * y))`` on (B, nnz, Ms, Ns) values, in y's dtype."""
+    acc_dtype = accumulate_dtype(y.dtype)
+    y32, g32 = y.to(acc_dtype), grad.to(acc_dtype)
+    r = _row_reduce(rows, MB, (y32 * g32).sum(-1), "sum")
+    return (y32 * (g32 - r[..., None])).to(y.dtype)

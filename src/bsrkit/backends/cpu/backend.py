@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+import bsrkit.backends.cpu.attention_kernels as attention_kernels
 import bsrkit.backends.cpu.kernels as kernels
+import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit import plans
 from bsrkit.backends.base import ParamSpec, int_at_least_one
 from bsrkit.backends.batching import block_coordinates
@@ -171,7 +173,7 @@ class CpuBackend:
         reasons = []
         if device.type != "cpu":
             reasons.append(f"needs CPU tensors, got device {device}")
-        if not self._kernels_available():
+        if kernel != "softmax" and not self._kernels_available():  # the softmax loops need no BLAS
             reasons.append("needs MKL's gemm exported by torch's CPU library, which this torch build lacks")
         return reasons
 
@@ -278,3 +280,90 @@ class CpuBackend:
     ) -> None:
         # Not compiled yet: the torch primitives (batched gemm + index_add) run it.
         _TORCH.scatter_mm(blocks, others, indices_data, accumulators, params)
+
+    def softmax(
+        self,
+        a: Operand,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        zero_empty_rows: bool,
+    ) -> torch.Tensor:
+        """The compiled loop over (batch, block row) tasks; half types in a float32 copy."""
+        kernel = softmax_kernels.softmax_kernel()
+        batch = x.shape[:-3]
+        nnz, Ms, Ns = x.shape[-3:]
+        compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        x4 = x.to(compute).contiguous().reshape(-1, nnz, Ms, Ns)
+        if bias is None:
+            bias4 = x4.new_zeros((1, 1, 1, 1))
+            bias_of = np.zeros(x4.shape[0], dtype=np.int64)
+        else:
+            bias4 = bias.to(compute).contiguous().reshape(-1, nnz, Ms, Ns)
+            bias_of = _bsr_batch_of(bias.shape[:-3], batch)
+        out = torch.empty_like(x4)
+        crow = plans.cpu_mm_plan(a.source).crow
+        nthreads = max(1, torch.get_num_threads())
+        with _KERNEL_LOCK:
+            _set_numba_threads(nthreads)
+            kernel(
+                crow, x4.numpy(), bias4.numpy(), bias_of, bias is not None, out.numpy(),
+                zero_empty_rows, compute == torch.float32,
+            )  # fmt: skip
+        return out.reshape(x.shape).to(x.dtype)
+
+    def softmax_backward(self, a: Operand, y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        kernel = softmax_kernels.softmax_backward_kernel()
+        nnz, Ms, Ns = y.shape[-3:]
+        compute = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
+        y4 = y.to(compute).contiguous().reshape(-1, nnz, Ms, Ns)
+        g4 = grad.to(compute).expand(y.shape).contiguous().reshape(y4.shape)
+        out = torch.empty_like(y4)
+        crow = plans.cpu_mm_plan(a.source).crow
+        nthreads = max(1, torch.get_num_threads())
+        with _KERNEL_LOCK:
+            _set_numba_threads(nthreads)
+            kernel(crow, y4.numpy(), g4.numpy(), out.numpy())
+        return out.reshape(y.shape).to(y.dtype)
+
+    def attention_forward(
+        self,
+        a: Operand,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        bias: torch.Tensor | None,
+        scale: float,
+        need_weights: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Fused ``softmax(scale * (Q K^T)|P + bias) V`` (an optional capability, float32/float64;
+        None where it does not apply): the output ``(*batch, L, Ev)`` and, if ``need_weights``, the
+        weights ``(*batch, nnz, Ms, Ns)``. ``a``'s indices have the call's batch."""
+        if query.dtype not in (torch.float32, torch.float64) or not self._kernels_available():
+            return None
+        kernel = attention_kernels.attention_kernel()
+        batch = a.batch
+        nnz, Ms, Ns = a.values.shape[-3:]
+        B = math.prod(batch)
+        L, S = a.M, a.K
+        E, Ev = query.shape[-1], value.shape[-1]
+        q = query.expand(*batch, L, E).reshape(B, L, E).contiguous()
+        k = key.expand(*batch, S, E).reshape(B, S, E).contiguous()
+        v = value.expand(*batch, S, Ev).reshape(B, S, Ev).contiguous()
+        out = torch.empty((B, L, Ev), dtype=query.dtype)
+        weights = torch.empty((B, nnz, Ms, Ns) if need_weights else (1, 1, 1, Ns), dtype=query.dtype)
+        if bias is None:
+            bias4 = weights.new_zeros((1, 1, 1, Ns))
+            bias_of = np.zeros(B, dtype=np.int64)
+        else:
+            bias4 = bias.to(query.dtype).contiguous().reshape(-1, nnz, Ms, Ns)
+            bias_of = _bsr_batch_of(bias.shape[:-3], batch)
+        plan = plans.cpu_mm_plan(a.source)
+        nthreads = max(1, torch.get_num_threads())
+        with _KERNEL_LOCK:
+            _set_numba_threads(nthreads)
+            kernel(
+                plan.crow, plan.col, q.numpy(), k.numpy(), v.numpy(), bias4.numpy(), bias_of,
+                bias is not None, out.numpy(), weights.numpy(), need_weights, scale, Ms, Ns,
+                query.dtype == torch.float64, nthreads,
+            )  # fmt: skip
+        return out.reshape(*batch, L, Ev), weights.reshape(*batch, nnz, Ms, Ns) if need_weights else None
