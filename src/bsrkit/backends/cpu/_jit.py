@@ -31,6 +31,8 @@ long iterations (figures in docs/performance.md).
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
 from typing import Any
 
@@ -73,8 +75,14 @@ class _QuickLoadCache(FunctionCache):
     The refresh imports every lowering registry numba has (0.5-1.3 s here, SciPy included where it is
     installed), which only *compiling* needs; running loaded code needs the runtime (NRT) alone. A miss
     compiles as usual (the compiler refreshes the context itself). An unreadable or corrupt entry is a
-    miss, never an error.
+    miss, never an error. The index is stamped with a hash of the source file's *content* (what numba
+    >= 0.6x does too; older versions used its size and modification time, which an upgrade may keep).
     """
+
+    def __init__(self, py_func: Any) -> None:
+        super().__init__(py_func)
+        with open(inspect.getfile(py_func), "rb") as source:
+            self._cache_file._source_stamp = ("sha256", hashlib.sha256(source.read()).hexdigest())
 
     def load_overload(self, sig: Any, target_context: Any) -> Any:
         rtsys.initialize(target_context)
