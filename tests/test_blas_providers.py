@@ -110,3 +110,48 @@ def test_product_suite_on_the_scipy_blas():
     tail = done.stdout[-3000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     assert " passed" in done.stdout and "deselected" in done.stdout, tail
+
+
+@pytest.mark.parametrize("column_major", [(False, False), (True, False), (False, True)])
+def test_sampled_kernel_accumulates_over_chunks_of_k(column_major):
+    """A provider that threads large calls (OpenBLAS) gets each block's gemm cut into chunks of K, here
+    3 + 3 + 3 + 1, with either operand row- or column-major."""
+    provider = blas.blas_provider()
+    if provider is None:
+        pytest.skip("no BLAS for the CPU kernels")
+    from bsrkit.backends.cpu import _jit
+
+    Ms, Ns, K = 4, 5, 10
+    limited = provider._replace(single_thread_mnk=Ms * Ns * 3)
+    run = kernels._bind(
+        "sampled_kernel",
+        _jit.sampled,
+        limited,
+        21,
+        18,
+        (1, 2, 5, 10),
+        lambda args, mnk: (max(1, min(args[17], mnk // (args[15] * args[16]))),),
+    )  # fmt: skip  (the same rule as kernels.sampled_kernel)
+    torch.manual_seed(3)
+    mat1 = torch.randint(-3, 4, (3 * Ms, K), dtype=torch.float64)
+    mat2 = torch.randint(-3, 4, (K, 2 * Ns), dtype=torch.float64)
+    if column_major[0]:
+        mat1 = mat1.t().contiguous().t()
+    if column_major[1]:
+        mat2 = mat2.t().contiguous().t()
+    rows = torch.tensor([[0, 2, 1]])
+    cols = torch.tensor([[1, 0, 1]])
+    out = torch.full((1, 3, Ms, Ns), float("nan"), dtype=torch.float64)
+    a_layout = kernels.blas_layout(mat1.stride(0), mat1.stride(1), *mat1.shape)
+    b_layout = kernels.blas_layout(mat2.stride(0), mat2.stride(1), *mat2.shape)
+    assert a_layout is not None and b_layout is not None
+    zero = torch.zeros(1, dtype=torch.int64).numpy()
+    run(
+        kernels.KIND_F64, rows.numpy(), cols.numpy(), 2,
+        mat1.data_ptr(), zero, mat1.stride(0), a_layout[0], a_layout[1],
+        mat2.data_ptr(), zero, mat2.stride(1), b_layout[0], b_layout[1],
+        out.data_ptr(), Ms, Ns, K, 2, 8, 8,
+    )  # fmt: skip
+    product = 2 * mat1 @ mat2
+    for g, (r, c) in enumerate(zip(rows[0].tolist(), cols[0].tolist(), strict=True)):
+        assert torch.equal(out[0, g], product[r * Ms : (r + 1) * Ms, c * Ns : (c + 1) * Ns]), g

@@ -340,9 +340,10 @@ def sampled(
     a_addr, a_boff, a_rs, a_rowmajor, lda,
     b_addr, b_boff, b_cs, b_rowmajor, ldb,
     c_addr, Ms, Ns, K, alpha, isz_ab, isz_c,
-    sgemm, dgemm, gemm_bf16, gemm_f16, set_threads,
+    sgemm, dgemm, gemm_bf16, gemm_f16, set_threads, k_chunk,
 ):  # fmt: skip
-    """See :func:`bsrkit.backends.cpu.kernels.sampled_kernel`. The last five arguments are BLAS addresses."""
+    """See :func:`bsrkit.backends.cpu.kernels.sampled_kernel`. Then five BLAS addresses, and the inner
+    dimension of one Fortran gemm call (``k_chunk`` < K: the block accumulates over chunks of K)."""
     nbatch = rows.shape[0]
     nnz = rows.shape[1]
     gemm = dgemm if kind == KIND_F64 else sgemm
@@ -350,8 +351,8 @@ def sampled(
     for b in range(nbatch):
         for t in numba.prange(nthreads):
             ints = np.zeros(9, np.int32)  # m n k lda ldb ldc 0 threads 1
-            reals = np.empty(2, np.float64)
-            real32 = np.empty(2, np.float32)
+            reals = np.empty(3, np.float64)  # alpha, 0, 1
+            real32 = np.empty(3, np.float32)
             chars = np.empty(2, np.uint8)
             p_int = ints.ctypes.data
             ints[7] = 1
@@ -367,9 +368,13 @@ def sampled(
             ints[5] = Ns
             reals[0] = alpha
             reals[1] = 0.0
+            reals[2] = 1.0
             real32[0] = alpha
             real32[1] = 0.0
+            real32[2] = 1.0
             p_real = reals.ctypes.data if kind == KIND_F64 else real32.ctypes.data
+            a_ks = 1 if a_rowmajor else lda  # element step along K in A (rows x K) and in B (K x cols)
+            b_ks = ldb if b_rowmajor else 1
             rsize = 8 if kind == KIND_F64 else 4
             p_chr = chars.ctypes.data
             ta = _CBLAS_NO_TRANS if a_rowmajor else _CBLAS_TRANS
@@ -381,9 +386,13 @@ def sampled(
                 b_ptr = b_addr + (b_boff[b] + cols[b, g] * Ns * b_cs) * isz_ab
                 c_ptr = c_addr + ((b * nnz + g) * Ms * Ns) * isz_c
                 if kind <= KIND_F64:
-                    _call_fortran_gemm(gemm, p_chr, p_chr + 1, p_int, p_int + 4, p_int + 8, p_real,
-                                       b_ptr, p_int + 12, a_ptr, p_int + 16, p_real + rsize,
-                                       c_ptr, p_int + 20)  # fmt: skip
+                    for k0 in range(0, max(K, 1), k_chunk):  # K == 0: one call (k = 0) writes 0
+                        ints[2] = min(k_chunk, K - k0)
+                        _call_fortran_gemm(gemm, p_chr, p_chr + 1, p_int, p_int + 4, p_int + 8, p_real,
+                                           b_ptr + k0 * b_ks * isz_ab, p_int + 12,
+                                           a_ptr + k0 * a_ks * isz_ab, p_int + 16,
+                                           p_real + (rsize if k0 == 0 else 2 * rsize),
+                                           c_ptr, p_int + 20)  # fmt: skip
                 else:
                     _call_cblas_gemm_half(gemm_half, _CBLAS_ROW_MAJOR, ta, tb, Ms, Ns, K, alpha,
                                           a_ptr, lda, b_ptr, ldb, 0.0, c_ptr, Ns)  # fmt: skip

@@ -88,7 +88,8 @@ class BLASProvider(NamedTuple):
     """One BLAS's entry points as C addresses; 0 where the provider has none.
 
     ``sgemm``/``dgemm`` follow the Fortran convention (every argument by pointer). ``set_num_threads_local``
-    is 0 where the provider cannot limit the calling thread alone (then gemm threads as the BLAS decides).
+    is 0 where the provider cannot limit the calling thread alone; ``single_thread_mnk`` > 0 then says up
+    to which ``m * n * k`` a gemm call stays single-threaded, and the kernels keep every call below it.
     """
 
     name: str
@@ -97,6 +98,7 @@ class BLASProvider(NamedTuple):
     gemm_bf16: int
     gemm_f16: int
     set_num_threads_local: int
+    single_thread_mnk: int = 0
 
     @property
     def has_half(self) -> bool:
@@ -109,9 +111,11 @@ def scipy_functions() -> BLASProvider | None:
     """SciPy's Fortran ``sgemm``/``dgemm`` (Cython capsules), or None without scipy.
 
     In SciPy's wheels these run OpenBLAS (pthreads build). OpenBLAS has no per-thread thread count (its
-    ``openblas_set_num_threads_local`` sets the process-wide count), so none is set: gemm calls below
-    OpenBLAS's threshold (m*n*k <= 64**3, e.g. every 32x32 block times a panel of <= 256 columns) run
-    single-threaded, and larger ones use OpenBLAS's own thread pool, limited by ``OPENBLAS_NUM_THREADS``.
+    ``openblas_set_num_threads_local`` sets the process-wide count), so none is set. Instead every gemm
+    call is kept at or below OpenBLAS's default threshold for threading (m*n*k <= 64**3), under which it
+    runs single-threaded: a larger call would start OpenBLAS's own pool from each kernel worker (measured
+    5-7x slower at blocksize 64 on 2 cores). A build with a lower threshold still threads those calls;
+    ``OPENBLAS_NUM_THREADS=1`` then avoids it.
     """
     try:
         from scipy.linalg import cython_blas
@@ -132,7 +136,13 @@ def scipy_functions() -> BLASProvider | None:
         if not address:
             return None
         addresses.append(address)
-    return BLASProvider("scipy", addresses[0], addresses[1], 0, 0, 0)
+    return BLASProvider(
+        "scipy", addresses[0], addresses[1], 0, 0, 0, single_thread_mnk=_OPENBLAS_SINGLE_THREAD_MNK
+    )
+
+
+# OpenBLAS interface/gemm.c: m*n*k <= SMP_THRESHOLD_MIN (65536) * GEMM_MULTITHREAD_THRESHOLD (4) -> 1 thread.
+_OPENBLAS_SINGLE_THREAD_MNK = 65536 * 4
 
 
 def _mkl_provider() -> BLASProvider | None:

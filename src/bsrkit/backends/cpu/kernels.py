@@ -1,4 +1,4 @@
-"""Fast CPU kernel for ``out[b] (+)= alpha * bsr[b] @ dense[b]``: a compiled loop that calls MKL gemm.
+"""Fast CPU kernel for ``out[b] (+)= alpha * bsr[b] @ dense[b]``: a compiled loop that calls BLAS gemm.
 
 Work split: the output is cut into *tasks*, one per (batch, panel of ``panel`` columns, block row), in
 that order. A task's cost is its row's block count plus a small overhead (the plan's prefix sums,
@@ -8,7 +8,7 @@ reduction is needed; and since a run is panel-major, each worker mostly reads it
 ``dense`` (threads splitting N, as a dense gemm does), while small products still split evenly over rows.
 Inside a task each block is one gemm with beta=1 (beta=0 for the row's first block when overwriting)
 straight into the strided output tile: no temporaries, no Python per block, BLAS single-threaded per
-worker (``mkl_set_num_threads_local``).
+worker where the provider allows it (MKL's ``mkl_set_num_threads_local``).
 
 Each operand is passed as (address, per-batch element offsets, row stride, col stride). The caller
 guarantees that one of the two strides of every matrix is 1 (see :func:`blas_layout`); the gemm
@@ -123,13 +123,21 @@ def _check_fork_safe(name: str) -> None:
 
 
 def _bind(
-    name: str, compiled: Any, provider: BLASProvider, nargs: int, alpha_at: int, arrays_at: tuple[int, ...]
+    name: str,
+    compiled: Any,
+    provider: BLASProvider,
+    nargs: int,
+    alpha_at: int,
+    arrays_at: tuple[int, ...],
+    limit_calls: Callable[[list[Any], int], Any] | None = None,
 ) -> Callable[..., None]:
     """``compiled`` with the provider's addresses appended, after checking the kind.
 
     Arguments are normalised to one signature per kernel (``alpha`` a float, index arrays C-contiguous):
     a second signature would cost a second compile, and two processes compiling *different* signatures
-    at once could mislabel each other's entries in numba's cache index.
+    at once could mislabel each other's entries in numba's cache index. ``limit_calls(args, mnk)`` keeps
+    each gemm call at or below the provider's ``single_thread_mnk`` (when it has one): it may change the
+    argument list in place and returns the extra trailing arguments of the compiled kernel.
     """
     kinds = supported_kinds()
     addresses = (provider.sgemm, provider.dgemm, provider.gemm_bf16, provider.gemm_f16,
@@ -150,7 +158,8 @@ def _bind(
         for i in arrays_at:
             if not args[i].flags.c_contiguous:
                 args_list[i] = np.ascontiguousarray(args[i])
-        compiled(*args_list, *addresses)
+        extra = () if limit_calls is None else limit_calls(args_list, provider.single_thread_mnk)
+        compiled(*args_list, *addresses, *extra)
 
     run.__name__ = run.__qualname__ = name
     return run
@@ -165,9 +174,13 @@ def bsr_mm_kernel() -> Any:  # Callable[..., None] | None
         return None
     from bsrkit.backends.cpu import _jit  # deferred: importing numba costs ~0.3 s and is needed only here
 
-    return _bind(
-        "bsr_mm_kernel", _jit.bsr_mm, provider, nargs=31, alpha_at=27, arrays_at=(1, 2, 3, 4, 7, 12, 18)
-    )
+    def limit_panel(args: list[Any], mnk: int) -> tuple[()]:
+        if mnk:  # each gemm is (Ms x panel) += (Ms x Ks) @ (Ks x panel)
+            args[26] = max(1, min(args[26], mnk // max(args[23] * args[24], 1)))
+        return ()
+
+    arrays_at = (1, 2, 3, 4, 7, 12, 18)
+    return _bind("bsr_mm_kernel", _jit.bsr_mm, provider, 31, 27, arrays_at, limit_panel)
 
 
 @functools.cache
@@ -183,7 +196,11 @@ def sampled_kernel() -> Any:  # Callable[..., None] | None
         return None
     from bsrkit.backends.cpu import _jit
 
-    return _bind("sampled_kernel", _jit.sampled, provider, nargs=21, alpha_at=18, arrays_at=(1, 2, 5, 10))
+    def k_chunk(args: list[Any], mnk: int) -> tuple[int]:
+        K = args[17]  # each gemm is (Ms x Ns) (+)= (Ms x k) @ (k x Ns), over chunks k of K
+        return (max(1, min(K, mnk // max(args[15] * args[16], 1))) if mnk else max(K, 1),)
+
+    return _bind("sampled_kernel", _jit.sampled, provider, 21, 18, (1, 2, 5, 10), k_chunk)
 
 
 def compile_cache_info() -> dict[str, dict[str, Any]]:
