@@ -1,0 +1,168 @@
+"""The compiled CPU kernels' on-disk cache: the first process on a machine compiles, later ones load.
+
+Processes run under a temporary ``NUMBA_CACHE_DIR`` and a hard time limit. "Loaded" is read from numba's
+own cache statistics (:func:`bsrkit.backends.cpu.kernels.compile_cache_info`), never from a timing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import bsrkit
+from bsrkit.backends.cpu import blas, kernels
+
+SRC = Path(__file__).parents[1] / "src"
+JIT_FILE = SRC / "bsrkit" / "backends" / "cpu" / "_jit.py"
+
+pytestmark = pytest.mark.skipif(blas.blas_provider() is None, reason="no BLAS for the CPU kernels")
+
+PRODUCTS = textwrap.dedent(
+    """
+    import json, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import bsrkit
+    from bsrkit.backends.cpu import kernels
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 48) * (torch.rand(4, 3) < 0.6).repeat_interleave(16, 0).repeat_interleave(16, 1)
+    bsr = w.to_sparse_bsr((16, 16))
+    x, mat1, mat2 = torch.randn(48, 24), torch.randn(64, 8), torch.randn(8, 48)
+    mm_error = float((bsrkit.bsr_dense_mm(bsr, x) - w @ x).abs().max())
+    sampled = bsrkit.sampled_addmm(bsr, mat1, mat2, beta=0.0)
+    mask = torch.sparse_bsr_tensor(bsr.crow_indices(), bsr.col_indices(), torch.ones_like(bsr.values()),
+                                   size=bsr.shape).to_dense()
+    sampled_error = float((sampled.to_dense() - (mat1 @ mat2) * mask).abs().max())
+    print(json.dumps({"errors": [mm_error, sampled_error], "cache": kernels.compile_cache_info()}))
+    """
+)
+
+
+def _env(cache_dir: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir), **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _report(done: subprocess.CompletedProcess) -> dict:
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_first_processes_compile_concurrently_and_later_ones_load(tmp_path):
+    """Two processes start together on an empty cache (both compile, or one loads what the other
+    wrote: each entry is renamed into place whole); a third then loads both kernels."""
+    cache = tmp_path / "numba-cache"
+    cmd = [sys.executable, "-c", PRODUCTS]
+    first = [
+        subprocess.Popen(cmd, env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=400) for p in first]
+    finally:
+        for p in first:
+            p.kill()
+    for p, (out, err) in zip(first, outputs, strict=True):
+        report = _report(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        assert max(report["errors"]) < 1e-3, report
+        for name in ("bsr_mm", "sampled"):
+            info = report["cache"][name]
+            assert info["path"].startswith(str(cache)), info
+            assert info["hits"] + info["misses"] == 1, info
+    later = _report(subprocess.run(cmd, env=_env(cache), capture_output=True, text=True, timeout=300))
+    assert max(later["errors"]) < 1e-3, later
+    for name in ("bsr_mm", "sampled"):
+        assert later["cache"][name]["hits"] == 1 and later["cache"][name]["misses"] == 0, later
+
+
+# A module with one cached function, loading _jit.py by path (no torch import: these processes are quick).
+PROBE = textwrap.dedent(
+    """
+    import importlib.util, json, sys
+    spec = importlib.util.spec_from_file_location("probe_jit", {jit!r})
+    sys.modules["probe_jit"] = jit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(jit)
+    sys.path.insert(0, {folder!r})
+    import probe_fn
+    value = probe_fn.answer(1)
+    stats = probe_fn.answer.stats
+    print(json.dumps({{"value": value, "hits": sum(stats.cache_hits.values()),
+                      "misses": sum(stats.cache_misses.values())}}))
+    """
+)
+
+
+def _probe(tmp_path: Path, source: str | None = None) -> dict:
+    """Run the probe in a new process; ``source`` rewrites the probe module first."""
+    probe = tmp_path / "probe_fn.py"
+    if source is not None:
+        probe.write_text(source)
+    script = PROBE.format(jit=str(JIT_FILE), folder=str(tmp_path))
+    env = _env(tmp_path / "cache", PYTHONDONTWRITEBYTECODE="1")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    return _report(run)
+
+
+def test_cache_is_never_stale_even_with_the_same_size_and_mtime(tmp_path):
+    """An upgrade may keep a file's size and modification time (wheels carry fixed timestamps): the
+    cache index is keyed on the source's content."""
+    old = "from probe_jit import _njit\n\n@_njit()\ndef answer(x):\n    return x + 1\n"
+    # The same size and bytecode: only a constant differs.
+    new = "from probe_jit import _njit\n\n@_njit()\ndef answer(x):\n    return x + 7\n"
+    assert len(old) == len(new)
+    assert _probe(tmp_path, old) == {"value": 2, "hits": 0, "misses": 1}
+    assert _probe(tmp_path, old) == {"value": 2, "hits": 1, "misses": 0}
+    probe = tmp_path / "probe_fn.py"
+    stamp = os.stat(probe)
+    probe.write_text(new)
+    os.utime(probe, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert os.stat(probe).st_mtime_ns == stamp.st_mtime_ns and os.stat(probe).st_size == stamp.st_size
+    assert _probe(tmp_path) == {"value": 8, "hits": 0, "misses": 1}
+
+
+def test_no_writable_cache_location_compiles_in_memory(tmp_path, monkeypatch):
+    """A read-only install with no writable cache directory: the functions compile in memory."""
+    import numba
+
+    from bsrkit.backends.cpu import _jit
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(blocker / "cache"), raising=False)  # not creatable
+    monkeypatch.setattr(numba.config, "CACHE_LOCATOR_CLASSES", "UserProvidedCacheLocator", raising=False)
+    probe = tmp_path / "probe_in_memory.py"
+    probe.write_text("def answer(x):\n    return x * 3\n")
+    namespace: dict = {"__file__": str(probe)}
+    exec(compile(probe.read_text(), str(probe), "exec"), namespace)
+    dispatcher = _jit._njit()(namespace["answer"])
+    assert dispatcher(2) == 6
+    assert dispatcher.stats.cache_path is None
+    assert not (blocker.parent / "cache").exists()
+
+
+def test_one_compiled_signature_per_kernel():
+    """Every call reaches the kernels with the same argument types (a second signature would mean a
+    second compile and a second cache entry), whatever the operands' layouts."""
+    from bsrkit.backends.cpu import _jit
+
+    torch.manual_seed(1)
+    bsr = torch.randn(2, 32, 32).to_sparse_bsr((8, 8))
+    dense = torch.randn(32, 20)
+    bsrkit.bsr_dense_mm(bsr, dense)  # batched bsr, broadcast dense, alpha a float
+    bsrkit.bsr_dense_addmm(torch.zeros(32, 20), bsr[0], dense.t().contiguous().t(), alpha=2)  # int alpha
+    mat1 = torch.randn(32, 4).expand(2, 32, 4)  # a stride-0 batch: rows/cols come in non-contiguous
+    bsrkit.sampled_addmm(bsr, mat1, torch.randn(4, 32), alpha=3)
+    bsrkit.sampled_addmm(bsr[0], torch.randn(32, 4), torch.randn(4, 32))
+    assert len(_jit.bsr_mm.signatures) == 1, _jit.bsr_mm.signatures
+    assert len(_jit.sampled.signatures) == 1, _jit.sampled.signatures
+    info = kernels.compile_cache_info()
+    assert info["bsr_mm"]["hits"] + info["bsr_mm"]["misses"] == 1

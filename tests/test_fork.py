@@ -1,0 +1,115 @@
+"""Products in processes forked after a product: a bare ``os.fork()`` child and a ``multiprocessing`` fork
+pool (the default start method on Linux, so ``DataLoader`` workers too). Each scenario runs in its own
+interpreter under a hard time limit, since the failure modes are a killed child and a hung pool.
+
+The children run no torch op that opens a parallel region: torch's own GNU OpenMP pool hangs in a child
+forked after the parent used it, whatever bsrkit does (``DataLoader`` workers avoid it by running torch
+single-threaded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+SRC = Path(__file__).parents[1] / "src"
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, multiprocessing, os, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import bsrkit
+    from bsrkit.backends.cpu import kernels
+
+    torch.manual_seed(0)
+    block_mask = torch.rand(6, 4) < 0.5
+    block_mask[2] = False  # an empty block row
+    pattern = block_mask.repeat_interleave(16, 0).repeat_interleave(16, 1).float()
+    dense_w = torch.randn(96, 64) * pattern
+    bsr = dense_w.to_sparse_bsr((16, 16))
+    x = torch.randn(64, 40)
+    mat1, mat2 = torch.randn(96, 8), torch.randn(8, 64)
+    ref_mm = dense_w @ x  # references computed before any fork
+    # Stored blocks of mat1 @ mat2, in BSR order. No torch op in the children may open a parallel region:
+    # torch's own GNU OpenMP pool hangs in a child forked after the parent used it (to_dense would).
+    ref_sampled = (mat1 @ mat2).reshape(6, 16, 4, 16).transpose(1, 2)[block_mask]
+
+    def errors(scale):
+        mm = bsrkit.bsr_dense_mm(bsr, x * scale)
+        sampled = bsrkit.sampled_addmm(bsr, mat1 * scale, mat2, beta=0.0).values()
+        return [float((mm - ref_mm * scale).abs().max()), float((sampled - ref_sampled * scale).abs().max())]
+
+    report = {"parent": errors(1.0), "layer": kernels.threading_layer()}
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            message = json.dumps({"child": errors(2.0)})
+        except BaseException as e:
+            message = json.dumps({"child_error": f"{type(e).__name__}: {e}"})
+        os.write(write, message.encode())
+        os._exit(0)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    _, status = os.waitpid(pid, 0)
+    report["child_status"] = status
+    report.update(json.loads(b"".join(chunks) or b"{}"))
+    if "child" in report:
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            report["pool"] = pool.map(errors, [1.0, 3.0, -1.0])
+    print(json.dumps(report))
+    """
+)
+
+
+def _run(env_extra: dict[str, str], timeout: float = 120) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    env.update(env_extra, PYTHONPATH=os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _assert_close(errors: list[float]) -> None:
+    assert all(e < 1e-3 for e in errors), errors
+
+
+def test_products_after_fork_in_child_and_fork_pool():
+    report = _run({})
+    assert report["layer"] == "workqueue", report  # chosen by bsrkit: fork-safe
+    _assert_close(report["parent"])
+    assert report["child_status"] == 0, report
+    assert "child" in report, report
+    _assert_close(report["child"])
+    assert len(report["pool"]) == 3
+    for errors in report["pool"]:
+        _assert_close(errors)
+
+
+def test_explicit_gnu_openmp_layer_raises_in_child_instead_of_dying():
+    """A user's explicit layer is respected; under GNU OpenMP a forked child gets an error naming the
+    cause (numba would terminate the process with SIGTERM)."""
+    report = _run({"NUMBA_THREADING_LAYER": "omp"})
+    assert report["layer"] == "omp", report
+    _assert_close(report["parent"])
+    assert report["child_status"] == 0, report
+    from numba.np.ufunc import omppool  # type: ignore[attr-defined]
+
+    if getattr(omppool, "openmp_vendor", "GNU") != "GNU":
+        _assert_close(report["child"])  # Intel OpenMP is fork-safe
+    else:
+        assert "GNU OpenMP threading layer cannot run in a forked child" in report["child_error"], report
