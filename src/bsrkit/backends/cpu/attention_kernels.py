@@ -14,17 +14,31 @@ scores three times; here they stay in the worker's cache. Measured at L = 4096, 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import Any
 
 import numpy as np
 
 import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
-from bsrkit.backends.cpu.kernels import _mkl_ctypes
+from bsrkit.backends.cpu.blas import mkl_functions
 
 __all__ = ["attention_kernel"]
 
 _CHAR_N, _CHAR_T = 78, 84
+
+
+@functools.cache
+def _mkl_ctypes() -> tuple[Any, ...] | None:
+    """ctypes prototypes of MKL's sgemm, dgemm and mkl_set_num_threads_local (numba freezes them into this
+    in-process compile), or None without MKL: then attention takes the composed path."""
+    fns = mkl_functions()
+    if fns is None:
+        return None
+    i64 = ctypes.c_int64
+    fortran = ctypes.CFUNCTYPE(None, *[i64] * 13)  # Fortran gemm: 13 pointers, passed as 64-bit ints
+    set_threads = ctypes.CFUNCTYPE(ctypes.c_int, i64)(fns.set_num_threads_local)
+    return fortran(fns.sgemm), fortran(fns.dgemm), None, None, set_threads
 
 
 @functools.cache

@@ -161,20 +161,16 @@ class CpuBackend:
     tune_flag = ""
     auto_devices: ClassVar[frozenset[str] | None] = frozenset({"cpu"})
 
-    def __init__(self) -> None:
-        self._available: bool | None = None
-
-    def _kernels_available(self) -> bool:
-        if self._available is None:  # looked up once: finds the BLAS entry points, compiles nothing
-            self._available = kernels._mkl_ctypes() is not None
-        return self._available
-
     def not_supported_reasons(self, kernel: str, device: torch.device, dtype: torch.dtype) -> list[str]:
         reasons = []
         if device.type != "cpu":
             reasons.append(f"needs CPU tensors, got device {device}")
-        if kernel != "softmax" and not self._kernels_available():  # the softmax loops need no BLAS
-            reasons.append("needs MKL's gemm exported by torch's CPU library, which this torch build lacks")
+        if kernel != "softmax":  # (the softmax loops need no BLAS)
+            kinds = kernels.supported_kinds()  # finds the BLAS entry points; compiles nothing
+            if not kinds:
+                reasons.append("needs a BLAS gemm: torch's MKL, or SciPy's (pip install scipy)")
+            elif _KINDS.get(dtype) not in kinds:
+                reasons.append(f"has no {dtype} gemm in this BLAS (SciPy's has float32 and float64 only)")
         return reasons
 
     def tuning_device(self, device: torch.device) -> str:
@@ -338,9 +334,9 @@ class CpuBackend:
         """Fused ``softmax(scale * (Q K^T)|P + bias) V`` (an optional capability, float32/float64;
         None where it does not apply): the output ``(*batch, L, Ev)`` and, if ``need_weights``, the
         weights ``(*batch, nnz, Ms, Ns)``. ``a``'s indices have the call's batch."""
-        if query.dtype not in (torch.float32, torch.float64) or not self._kernels_available():
+        kernel = attention_kernels.attention_kernel()  # None without MKL
+        if query.dtype not in (torch.float32, torch.float64) or kernel is None:
             return None
-        kernel = attention_kernels.attention_kernel()
         batch = a.batch
         nnz, Ms, Ns = a.values.shape[-3:]
         B = math.prod(batch)
