@@ -76,7 +76,9 @@ def test_half_kind_on_a_provider_without_half_gemm_is_refused(monkeypatch):
     monkeypatch.setattr(kernels, "blas_provider", lambda: provider)
     from bsrkit.backends.cpu import _jit
 
-    run = kernels._bind("bsr_mm_kernel", _jit.bsr_mm, provider, nargs=31, alpha_at=27, arrays_at=())
+    run = kernels._bind(
+        "bsr_mm_kernel", _jit.bsr_mm, _jit.bsr_mm_serial, 5, provider, nargs=31, alpha_at=27, arrays_at=()
+    )
     args = [kernels.KIND_BF16] + [0] * 30
     with pytest.raises(ValueError, match=r"expected a kind in \['float32', 'float64'\].*got bfloat16"):
         run(*args)
@@ -126,6 +128,8 @@ def test_sampled_kernel_accumulates_over_chunks_of_k(column_major):
     run = kernels._bind(
         "sampled_kernel",
         _jit.sampled,
+        _jit.sampled_serial,
+        3,
         limited,
         21,
         18,

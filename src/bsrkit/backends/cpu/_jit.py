@@ -21,19 +21,20 @@ code independent of where the BLAS library was loaded, and of which BLAS it is.
   Every function here is only ever compiled for one signature (the caller normalises argument types), so
   two processes compiling at once write the same entry with the same content.
 
-**Threading layer.** numba's default picks GNU OpenMP on Linux wheels, which kills a process forked after
-the first product ("fork() called from a process already using GNU OpenMP"), and hangs fork pools. Unless
-the user chose a layer (``NUMBA_THREADING_LAYER``, or ``numba.config.THREADING_LAYER``) or some parallel
-numba code already ran, this module selects ``workqueue``: fork-safe, not thread-safe (so callers serialise
-kernel calls with a lock), and as fast as OpenMP here since each kernel call runs exactly ``nthreads``
-long iterations (figures in docs/performance.md).
+**Threading layer.** numba's default (GNU OpenMP on Linux wheels): it starts a parallel region in
+microseconds, where ``workqueue`` took ~0.1-0.2 ms per call (figures in docs/performance.md). GNU OpenMP
+cannot run in a process forked after the first product ("fork() called from a process already using GNU
+OpenMP"), so in a forked child the kernels run their serial twins (``*_serial``: the same loop compiled
+without a parallel region; :mod:`.kernels` picks them), which never touch the threading layer. The
+twins also run every product too small to pay for starting the worker threads. Callers serialise kernel
+calls with a lock (not every layer is thread-safe).
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import os
+import types as types_module
 from typing import Any
 
 import numba
@@ -49,24 +50,6 @@ from numba.extending import intrinsic
 KIND_F32, KIND_F64, KIND_BF16, KIND_F16 = 0, 1, 2, 3
 _CBLAS_ROW_MAJOR, _CBLAS_NO_TRANS, _CBLAS_TRANS = 101, 111, 112
 _CHAR_N, _CHAR_T = 78, 84
-
-FORK_SAFE_LAYER = "workqueue"
-
-
-def _choose_threading_layer() -> None:
-    """Select the fork-safe layer unless the user chose one or a layer is already running."""
-    from numba.np.ufunc import parallel
-
-    if os.environ.get("NUMBA_THREADING_LAYER"):  # any explicit choice, "default" included
-        return
-    if getattr(numba.config, "THREADING_LAYER", "default") != "default":  # set in code by the user
-        return
-    if parallel._is_initialized:  # some parallel numba code ran first: its layer stays
-        return
-    numba.config.THREADING_LAYER = FORK_SAFE_LAYER  # type: ignore[attr-defined]
-
-
-_choose_threading_layer()
 
 
 class _QuickLoadCache(FunctionCache):
@@ -401,4 +384,22 @@ def sampled(
                 _set_threads_local(set_threads, p_int + 28)
 
 
-DISPATCHERS = {"bsr_mm": bsr_mm, "sampled": sampled}
+def _serial(parallel: Any, name: str) -> Any:
+    """The same loop compiled without a parallel region, run when ``nthreads == 1``: launching numba's
+    thread pool costs ~0.1-0.2 ms per call, more than a tiny product takes (``prange`` is ``range`` here).
+    A copy of the function under its own name, so that its on-disk cache entries are its own."""
+    fn = parallel.py_func
+    copy = types_module.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = name
+    return _njit(nogil=True)(copy)
+
+
+bsr_mm_serial = _serial(bsr_mm, "bsr_mm_serial")
+sampled_serial = _serial(sampled, "sampled_serial")
+
+DISPATCHERS = {
+    "bsr_mm": bsr_mm,
+    "sampled": sampled,
+    "bsr_mm_serial": bsr_mm_serial,
+    "sampled_serial": sampled_serial,
+}

@@ -44,6 +44,10 @@ _KINDS = {
 # in L2 and gives each gemm enough columns to amortise its call.
 _DEFAULT_PANEL = 256
 
+# Below this many multiply-adds a product runs on the calling thread: starting numba's worker threads
+# costs ~0.1-0.2 ms per call (measured with the workqueue layer), about what 2**21 multiply-adds take.
+_SERIAL_WORK = 2**21
+
 # numba's default (workqueue) threading layer must not be entered from two threads at once; the kernel
 # already uses every worker thread, so serialising calls costs little.
 _KERNEL_LOCK = threading.Lock()
@@ -216,6 +220,8 @@ class CpuBackend:
         target, c_rowmajor, ldc = _blas_operand(target, row_major_only=half)
 
         nthreads = params["nthreads"]
+        if math.prod(batch) * a.nnz * Ms * Ks * N < _SERIAL_WORK:
+            nthreads = 1
         args = (
             _KINDS[out.dtype], plan.crow, plan.col, plan.cost, _bsr_batch_of(a.batch, batch), nthreads,
             _base_address(values), _batch_offsets(values, values.ndim - 3, a.batch), values.stride(-3),
@@ -252,7 +258,7 @@ class CpuBackend:
         mat2, b_rowmajor, ldb = _blas_operand(mat2)
         half = mat1.dtype in (torch.float16, torch.bfloat16)
         out = torch.empty((B, nnz, Ms, Ns), dtype=torch.float32 if half else mat1.dtype)
-        nthreads = max(1, torch.get_num_threads())
+        nthreads = 1 if B * nnz * Ms * Ns * mat1.shape[-1] < _SERIAL_WORK else params["nthreads"]
         args = (
             _KINDS[mat1.dtype], rows.numpy(), cols.numpy(), nthreads,
             _base_address(mat1), _batch_offsets(mat1, mat1.ndim - 2, batch),
@@ -285,6 +291,8 @@ class CpuBackend:
         zero_empty_rows: bool,
     ) -> torch.Tensor:
         """The compiled loop over (batch, block row) tasks; half types in a float32 copy."""
+        if kernels.in_forked_child():  # its parallel loop cannot start threads there: torch primitives
+            return _TORCH.softmax(a, x, bias, zero_empty_rows)
         kernel = softmax_kernels.softmax_kernel()
         batch = x.shape[:-3]
         nnz, Ms, Ns = x.shape[-3:]
@@ -308,6 +316,8 @@ class CpuBackend:
         return out.reshape(x.shape).to(x.dtype)
 
     def softmax_backward(self, a: Operand, y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        if kernels.in_forked_child():
+            return _TORCH.softmax_backward(a, y, grad)
         kernel = softmax_kernels.softmax_backward_kernel()
         nnz, Ms, Ns = y.shape[-3:]
         compute = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
@@ -334,8 +344,10 @@ class CpuBackend:
         """Fused ``softmax(scale * (Q K^T)|P + bias) V`` (an optional capability, float32/float64;
         None where it does not apply): the output ``(*batch, L, Ev)`` and, if ``need_weights``, the
         weights ``(*batch, nnz, Ms, Ns)``. ``a``'s indices have the call's batch."""
+        if query.dtype not in (torch.float32, torch.float64) or kernels.in_forked_child():
+            return None  # (a forked child: the fused loop's threads cannot start there)
         kernel = attention_kernels.attention_kernel()  # None without MKL
-        if query.dtype not in (torch.float32, torch.float64) or kernel is None:
+        if kernel is None:
             return None
         batch = a.batch
         nnz, Ms, Ns = a.values.shape[-3:]

@@ -26,7 +26,6 @@ Importing this module imports neither numba nor the BLAS.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import sys
 from collections.abc import Callable
@@ -89,6 +88,11 @@ def supported_kinds() -> frozenset[int]:
 _forked = False
 
 
+def in_forked_child() -> bool:
+    """True in a process forked from one that may have started numba's threads: only serial loops run."""
+    return _forked
+
+
 def _mark_forked() -> None:
     global _forked
     _forked = True
@@ -111,20 +115,11 @@ def threading_layer() -> str | None:
         return None
 
 
-def _check_fork_safe(name: str) -> None:
-    if threading_layer() == "omp":
-        omppool = importlib.import_module("numba.np.ufunc.omppool")
-        if getattr(omppool, "openmp_vendor", "GNU") == "GNU":
-            raise RuntimeError(
-                f"{name}(): numba's GNU OpenMP threading layer cannot run in a forked child process; "
-                "unset NUMBA_THREADING_LAYER (bsrkit then uses the fork-safe 'workqueue'), or use the "
-                "'spawn' start method"
-            )
-
-
 def _bind(
     name: str,
     compiled: Any,
+    serial: Any,
+    threads_at: int,
     provider: BLASProvider,
     nargs: int,
     alpha_at: int,
@@ -151,15 +146,15 @@ def _bind(
                 f"{name}(): expected a kind in {sorted(_KIND_NAMES[k] for k in kinds)} (BLAS provider "
                 f"{provider.name!r}), got {_KIND_NAMES.get(args[0], args[0])}"
             )
-        if _forked:
-            _check_fork_safe(name)
         args_list = list(args)
         args_list[alpha_at] = float(args[alpha_at])
         for i in arrays_at:
             if not args[i].flags.c_contiguous:
                 args_list[i] = np.ascontiguousarray(args[i])
         extra = () if limit_calls is None else limit_calls(args_list, provider.single_thread_mnk)
-        compiled(*args_list, *addresses, *extra)
+        # One thread, or a forked child (GNU OpenMP cannot run there): the serial twin, no parallel region.
+        kernel = serial if args[threads_at] == 1 or _forked else compiled
+        kernel(*args_list, *addresses, *extra)
 
     run.__name__ = run.__qualname__ = name
     return run
@@ -180,7 +175,9 @@ def bsr_mm_kernel() -> Any:  # Callable[..., None] | None
         return ()
 
     arrays_at = (1, 2, 3, 4, 7, 12, 18)
-    return _bind("bsr_mm_kernel", _jit.bsr_mm, provider, 31, 27, arrays_at, limit_panel)
+    return _bind(
+        "bsr_mm_kernel", _jit.bsr_mm, _jit.bsr_mm_serial, 5, provider, 31, 27, arrays_at, limit_panel
+    )
 
 
 @functools.cache
@@ -200,7 +197,9 @@ def sampled_kernel() -> Any:  # Callable[..., None] | None
         K = args[17]  # each gemm is (Ms x Ns) (+)= (Ms x k) @ (k x Ns), over chunks k of K
         return (max(1, min(K, mnk // max(args[15] * args[16], 1))) if mnk else max(K, 1),)
 
-    return _bind("sampled_kernel", _jit.sampled, provider, 21, 18, (1, 2, 5, 10), k_chunk)
+    return _bind(
+        "sampled_kernel", _jit.sampled, _jit.sampled_serial, 3, provider, 21, 18, (1, 2, 5, 10), k_chunk
+    )
 
 
 def compile_cache_info() -> dict[str, dict[str, Any]]:
