@@ -130,20 +130,28 @@ def check_indices_data(
 
 
 def cpu_scatter_plan(
-    indices_data: tuple[Any, ...], N: int, Ms: int, Ns: int, panel: int, grid_rows: int = 0
+    indices_data: tuple[Any, ...],
+    N: int,
+    Ms: int,
+    Ns: int,
+    panel: int,
+    grid_rows: int = 0,
+    tiling: tuple[int, ...] = (),
 ) -> CpuScatterPlan:
     """The CPU kernel's gemm list for validated ``indices_data`` (see :class:`CpuScatterPlan`), cached on
     the index tensors: ``N`` is ``others.shape[-1]`` and ``Ns`` the tile width (``N // SPLIT_N``, or
     ``others.shape[-1]`` in the ``scatter_mm`` format); tasks are at most ``panel`` columns wide. For the
-    strided formats, ``grid_rows`` = ``M // Ms`` (0: unknown) lets the plan cover the accumulators."""
+    strided formats, ``grid_rows`` = ``M // Ms`` (0: unknown) lets the plan cover the accumulators. In
+    the ``scatter_mm`` format, ``tiling = (KB, NB, MB, Ks, Ns)`` says that others and accumulators are
+    the (Ks x Ns) and (Ms x Ns) tiles of batched matrices, indexed (batch, block row, tile column)."""
     fmt = indices_data[0]
     tensors = tuple(t for t in indices_data[1:] if isinstance(t, torch.Tensor))
     split_n = 0 if fmt == "scatter_mm" else indices_data[-1]["SPLIT_N"]
     if fmt == "scatter_mm":
         N = 0  # (unused: keeps one entry per tile width)
     if any(t.is_inference() for t in tensors):  # no version counter to key on
-        return _build_cpu_scatter(fmt, tensors, split_n, N, Ms, Ns, panel, grid_rows)
-    return _plan("cpu_scatter", fmt, tensors, split_n, N, Ms, Ns, panel, grid_rows)
+        return _build_cpu_scatter(fmt, tensors, split_n, N, Ms, Ns, panel, grid_rows, tiling)
+    return _plan("cpu_scatter", fmt, tensors, split_n, N, Ms, Ns, panel, grid_rows, tiling)
 
 
 def cpu_mm_plan(source: Source, transposed_block_cols: int = 0) -> CpuMMPlan:
@@ -302,7 +310,7 @@ _TILE_OVERHEAD = 0.05
 
 
 def _scatter_tiles_and_pairs(
-    fmt: str, tensors: tuple[torch.Tensor, ...], split_n: int, N: int, Ms: int
+    fmt: str, tensors: tuple[torch.Tensor, ...], split_n: int, N: int, Ms: int, tiling: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tiles (T, 3): matrix, row, column; counts (T,); pairs (G, 4): p, matrix, row, column), the pairs
     of tile ``i`` following those of tiles ``0..i-1``: every format's loops written out."""
@@ -311,9 +319,17 @@ def _scatter_tiles_and_pairs(
         R = c_offsets.numel() - 1
         counts = c_offsets.diff()
         used = pq.reshape(-1, 2)[int(c_offsets[0]) : int(c_offsets[-1])] if R > 0 else pq.new_zeros(0, 2)
-        zeros = used.new_zeros(used.shape[0])
-        pairs = torch.stack((used[:, 0], used[:, 1], zeros, zeros), dim=1)
-        tiles = torch.stack((torch.arange(R), torch.zeros(R, dtype=torch.int64), torch.zeros(R, dtype=torch.int64)), 1)
+        p, q, r = used[:, 0], used[:, 1], torch.arange(R)
+        if not tiling:  # matrix q of others, matrix r of the accumulators
+            zeros = torch.zeros_like(q)
+            pairs = torch.stack((p, q, zeros, zeros), dim=1)
+            tiles = torch.stack((r, torch.zeros_like(r), torch.zeros_like(r)), 1)
+            return tiles, counts, pairs
+        # Tiled stacks: q = (batch, block row, tile column) of an (*, KB * Ks, NB * Ns) matrix, r likewise
+        # of an (*, MB * Ms, NB * Ns) one: in (batch, row, column) coordinates side-by-side tiles join.
+        KB, NB, MB, Ks, Ns = tiling
+        pairs = torch.stack((p, q // (KB * NB), (q // NB) % KB * Ks, q % NB * Ns), dim=1)
+        tiles = torch.stack((r // (MB * NB), (r // NB) % MB * Ms, r % NB * Ns), dim=1)
         return tiles, counts, pairs
     c_indices, r_offsets, q_offsets = (t.long() for t in (tensors[0], tensors[1], tensors[-1]))
     T = r_offsets.numel()
@@ -346,8 +362,9 @@ def _build_cpu_scatter(
     Ns: int,
     panel: int,
     grid_rows: int,
+    tiling: tuple[int, ...],
 ) -> CpuScatterPlan:
-    tiles, counts, pairs = _scatter_tiles_and_pairs(fmt, tensors, split_n, N, Ms)
+    tiles, counts, pairs = _scatter_tiles_and_pairs(fmt, tensors, split_n, N, Ms, tiling)
     starts = torch.cumsum(counts, 0) - counts
 
     def in_output_order() -> torch.Tensor:  # by (matrix, row, column)
@@ -362,7 +379,7 @@ def _build_cpu_scatter(
     disjoint = bool(((tiles[:, 1] % Ms == 0) & (tiles[:, 2] % Ns == 0)).all()) and not bool(
         (tiles[1:] == tiles[:-1]).all(1).any()
     )
-    covers = disjoint and fmt == "scatter_mm"  # (every accumulator matrix is a tile)
+    covers = disjoint and fmt == "scatter_mm"  # (every accumulator matrix is a tile: R of them)
     if disjoint and grid_rows and fmt != "scatter_mm":  # the cells no tile writes, as empty tiles
         present = torch.zeros(grid_rows * split_n, dtype=torch.bool)
         present[(tiles[:, 1] // Ms) * split_n + tiles[:, 2] // Ns] = True
@@ -400,9 +417,7 @@ def _build_cpu_scatter(
     first = (~joins).nonzero().view(-1)
     widths = torch.zeros(first.numel(), dtype=torch.int64).index_add_(0, group, torch.full((T,), Ns))
     gcounts = counts[first]
-    out_tiles = torch.cat(
-        (tiles[first], starts[first, None], (starts[first] + gcounts)[:, None]), dim=1
-    )
+    out_tiles = torch.cat((tiles[first], starts[first, None], (starts[first] + gcounts)[:, None]), dim=1)
     # Tasks: each group cut into panels, panel-major (a worker's run reads few column panels of others).
     npanels = (widths + panel - 1) // panel
     tile_of = torch.repeat_interleave(torch.arange(first.numel()), npanels)

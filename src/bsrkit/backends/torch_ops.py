@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from bsrkit.backends.base import ParamSpec
-from bsrkit.backends.batching import block_coordinates, flatten_addmm, flatten_scatter_stacks, flatten_strided_scatter
+from bsrkit.backends.batching import (
+    block_coordinates,
+    flatten_addmm,
+    flatten_scatter_stacks,
+    flatten_strided_scatter,
+)
 
 if TYPE_CHECKING:
     from bsrkit.operand import Operand

@@ -488,9 +488,11 @@ def scatter_mm(
             else:
                 ints[0] = Ms
                 ints[1] = w
-            c_ptr = c_addr + (
-                c_boff[b] + c_moff[tiles[tile, 0]] + tiles[tile, 1] * c_rs + (tiles[tile, 2] + j0) * c_cs
-            ) * isz_c
+            c_ptr = (
+                c_addr
+                + (c_boff[b] + c_moff[tiles[tile, 0]] + tiles[tile, 1] * c_rs + (tiles[tile, 2] + j0) * c_cs)
+                * isz_c
+            )
             g0 = tiles[tile, 3]
             g1 = tiles[tile, 4]
             if g0 == g1 and overwrite:  # a tile without products: gemm with k = 0, beta = 0 writes 0
@@ -501,9 +503,11 @@ def scatter_mm(
                 ints[2] = Ks
             for g in range(g0, g1):
                 a_ptr = a_addr + pairs[g, 0] * a_gs * isz_ab
-                b_ptr = b_addr + (
-                    b_boff[b] + b_moff[pairs[g, 1]] + pairs[g, 2] * b_rs + (pairs[g, 3] + j0) * b_cs
-                ) * isz_ab
+                b_ptr = (
+                    b_addr
+                    + (b_boff[b] + b_moff[pairs[g, 1]] + pairs[g, 2] * b_rs + (pairs[g, 3] + j0) * b_cs)
+                    * isz_ab
+                )
                 first = overwrite and g == g0
                 if kind <= KIND_F64:  # float32 or float64: Fortran gemm
                     x_ptr = b_ptr if swap else a_ptr

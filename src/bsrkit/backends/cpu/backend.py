@@ -160,6 +160,18 @@ def _non_overlapping(t: torch.Tensor) -> bool:
     return True
 
 
+def _tiled_stacks(others: torch.Tensor, accumulators: torch.Tensor) -> bool:
+    """Whether ``others (B, KB, NB, Ks, Ns)`` and ``accumulators (B, MB, NB, Ms, Ns)`` are the tiles of
+    batched ``(KB * Ks, NB * Ns)`` and ``(MB * Ms, NB * Ns)`` matrices (``bsr_scatter_mm``'s views):
+    then side-by-side tiles can be one gemm."""
+    if others.ndim != 5 or accumulators.ndim != 5 or others.shape[2] != accumulators.shape[2]:
+        return False
+    return all(
+        t.stride(2) == t.shape[4] * t.stride(4) and t.stride(1) == t.shape[3] * t.stride(3)
+        for t in (others, accumulators)
+    )
+
+
 def _needs_torch_scatter(blocks: torch.Tensor, others: torch.Tensor, accumulators: torch.Tensor) -> bool:
     """Whether ``scatter_mm`` must take the torch primitives: accumulators whose elements share memory
     (torch refuses to write them), or that share memory with an input (the kernel would read what it
@@ -310,25 +322,30 @@ class CpuBackend:
         mnk = kernels.single_thread_mnk()
         if mnk:  # keep each gemm single-threaded in BLAS (the workers are the threads)
             panel = max(1, min(panel, mnk // max(Ms * Ks, 1)))
-        grid_rows = 0 if stacks or M % Ms else M // Ms
-        plan = plans.cpu_scatter_plan(indices_data, others.shape[-1], Ms, Ns, panel, grid_rows)
-        if overwrite and not plan.covers:  # some elements are in no tile: zero them all first
-            accumulators.zero_()
-            overwrite = False
         blocks, a_rowmajor, lda = _blas_operand(blocks)
         others, b_rowmajor, ldb = _blas_operand(others)
         half = accumulators.dtype in (torch.float16, torch.bfloat16)
-        if half:  # accumulate in a float32 buffer, written back once
-            target = torch.empty(accumulators.shape) if overwrite else accumulators.float()
+        if half:  # accumulate in a float32 buffer (of the same strides), written back once
+            target = torch.empty_strided(accumulators.shape, accumulators.stride(), dtype=torch.float32)
+            if not overwrite:
+                target.copy_(accumulators)
         else:
             target = accumulators
         # (written through a copy when gemm cannot address it; the half gemm writes row-major only)
         target, c_rowmajor, ldc = _blas_operand(target, row_major_only=half)
-        if stacks:  # one "batch"; the element offset of every matrix
+        grid_rows = 0 if stacks or M % Ms else M // Ms
+        tiled = stacks and _tiled_stacks(others, target)
+        tiling = (others.shape[1], others.shape[2], target.shape[1], Ks, Ns) if tiled else ()
+        plan = plans.cpu_scatter_plan(indices_data, others.shape[-1], Ms, Ns, panel, grid_rows, tiling)
+        if overwrite and not plan.covers:  # some elements are in no tile: zero them all first
+            target.zero_()
+            overwrite = False
+        if stacks:  # one "batch"; the element offset of every matrix (tiled: of every batch's matrix)
             batch = torch.Size()
             b_boff = c_boff = np.zeros(1, dtype=np.int64)
-            b_moff = _batch_offsets(others, others.ndim - 2, others.shape[:-2])
-            c_moff = _batch_offsets(target, target.ndim - 2, target.shape[:-2])
+            lead = 1 if tiled else others.ndim - 2
+            b_moff = _batch_offsets(others, lead, others.shape[:lead])
+            c_moff = _batch_offsets(target, lead, target.shape[:lead])
         else:
             batch = others.shape[:-2]
             b_boff = _batch_offsets(others, len(batch), batch)

@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from bsrkit.backends.base import ParamSpec, int_at_least_one, power_of_two_at_least_16
-from bsrkit.backends.batching import block_coordinates, flatten_addmm, flatten_scatter_stacks, flatten_strided_scatter
+from bsrkit.backends.batching import (
+    block_coordinates,
+    flatten_addmm,
+    flatten_scatter_stacks,
+    flatten_strided_scatter,
+)
 from bsrkit.backends.triton.tiles import clamped_tiles
 
 if TYPE_CHECKING:
