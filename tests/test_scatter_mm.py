@@ -9,6 +9,7 @@ import torch.sparse._triton_ops as torch_ops
 
 import bsrkit
 from bsrkit import reference
+from bsrkit.backends import BACKENDS
 from helpers import assert_close, random_bsr
 
 FORMATS = ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"]
@@ -145,6 +146,8 @@ def backend(request, monkeypatch):
     ],
 )
 def test_bsr_scatter_mm_every_format(backend, fmt, dtype, shape, blocksize, N, batch, split_n):
+    if backend == "cpu" and BACKENDS["cpu"].not_supported_reasons("scatter_mm", torch.device("cpu"), dtype):
+        pytest.skip(f"this BLAS has no {dtype} gemm")
     bsr = random_bsr(shape, blocksize, 0.4, dtype, empty_rows=(1,), empty_cols=(0,), integers=True)
     other = torch.randint(-3, 4, (*batch, shape[1], N)).to(dtype)  # small integers: exact products
     data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt, SPLIT_N=split_n)

@@ -218,7 +218,8 @@ class CpuBackend:
         chosen: dict[str, Any],
     ) -> dict[str, Any]:
         params = {"panel": _DEFAULT_PANEL, "nthreads": max(1, torch.get_num_threads()), **chosen}
-        params["panel"] = min(params["panel"], max(shape[2], 1))
+        if op not in ("scatter_mm", "bsr_scatter_mm"):  # (their tiles may join wider than shape[2])
+            params["panel"] = min(params["panel"], max(shape[2], 1))
         # More workers than cores only adds scheduling (2**31 of them would never finish starting).
         params["nthreads"] = min(params["nthreads"], _machine_threads())
         return params
