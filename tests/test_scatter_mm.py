@@ -253,3 +253,14 @@ def test_cpu_plan_joins_split_n_panels():
     plan = plans.cpu_scatter_plan(data, 128, 16, 16, 256, tiling=(4, 8, 4, 16, 16))
     assert plan.tiles.shape[0] == 4 and plan.tasks[:, 2].tolist() == [128] * 4
     assert plans.cpu_scatter_plan(data, 128, 16, 16, 256).tiles.shape[0] == 32  # plain stacks: no join
+
+
+@pytest.mark.parametrize("blocksize", [(1, 1), (1, 3), (2, 1)])
+def test_bsr_scatter_mm_thin_blocks_join_correctly(backend, blocksize):
+    """Tiles one row or column wide (strides of size-1 dims are arbitrary) join into valid gemms."""
+    bsr = random_bsr((4, 6), blocksize, 0.6, torch.float64, integers=True)
+    other = torch.randint(-3, 4, (2, 6, 4 * blocksize[0])).double()
+    for fmt in FORMATS:
+        data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt)
+        got = bsrkit.bsr_scatter_mm(bsr, other, data)
+        torch.testing.assert_close(got, reference.bsr_scatter_mm(bsr, other), rtol=0, atol=0)

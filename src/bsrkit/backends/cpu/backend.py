@@ -172,6 +172,12 @@ def _tiled_stacks(others: torch.Tensor, accumulators: torch.Tensor) -> bool:
     )
 
 
+def _untiled(t: torch.Tensor) -> torch.Tensor:
+    """The ``(B, R * rows, C * cols)`` matrices whose tiles a :func:`_tiled_stacks` operand views."""
+    B, R, C, rows, cols = t.shape
+    return t.as_strided((B, R * rows, C * cols), (t.stride(0), t.stride(3), t.stride(4)), t.storage_offset())
+
+
 def _needs_torch_scatter(blocks: torch.Tensor, others: torch.Tensor, accumulators: torch.Tensor) -> bool:
     """Whether ``scatter_mm`` must take the torch primitives: accumulators whose elements share memory
     (torch refuses to write them), or that share memory with an input (the kernel would read what it
@@ -336,6 +342,11 @@ class CpuBackend:
         target, c_rowmajor, ldc = _blas_operand(target, row_major_only=half)
         grid_rows = 0 if stacks or M % Ms else M // Ms
         tiled = stacks and _tiled_stacks(others, target)
+        if tiled:  # joined tiles are wider: the layouts must hold for the whole matrices
+            b_layout, c_layout = _layout(_untiled(others)), _layout(_untiled(target))
+            tiled = b_layout is not None and c_layout is not None and (c_layout[0] or not half)
+            if b_layout is not None and c_layout is not None and tiled:
+                (b_rowmajor, ldb), (c_rowmajor, ldc) = b_layout, c_layout
         tiling = (others.shape[1], others.shape[2], target.shape[1], Ks, Ns) if tiled else ()
         plan = plans.cpu_scatter_plan(indices_data, others.shape[-1], Ms, Ns, panel, grid_rows, tiling)
         if overwrite and not plan.covers:  # some elements are in no tile: zero them all first
