@@ -2,8 +2,9 @@
 
 The portable fallback (:class:`TorchBackend`): it runs every kernel on any device, and is chosen where
 no compiled backend can run (non-MKL CPU builds, CUDA without triton) or with ``BSRKIT_BACKEND=torch``.
-It also runs ``scatter_mm`` for the CPU backend. Work is chunked so that gathered operands stay within
-``_CHUNK_ELEMENTS`` elements. Half types are computed in float32.
+It also runs ``scatter_mm`` for the CPU backend where accumulators share memory with themselves or an
+input. Work is chunked so that gathered operands stay within ``_CHUNK_ELEMENTS`` elements. Half types
+are computed in float32.
 """
 
 from __future__ import annotations
