@@ -136,7 +136,7 @@ def backend(request, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "shape,blocksize,N,batch,split_n",
     [
@@ -264,3 +264,18 @@ def test_bsr_scatter_mm_thin_blocks_join_correctly(backend, blocksize):
         data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt)
         got = bsrkit.bsr_scatter_mm(bsr, other, data)
         torch.testing.assert_close(got, reference.bsr_scatter_mm(bsr, other), rtol=0, atol=0)
+
+
+def test_cpu_plan_lives_as_long_as_the_indices_data(monkeypatch):
+    """The gemm list is cached on the index tensors: a second call hits, and the entry (with the
+    indices' verdict) goes when the tensors die."""
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsrkit.cache_clear()
+    blocks, others = torch.randn(2, 4, 4), torch.randn(3, 4, 4)
+    data = ("scatter_mm", torch.tensor([0, 2, 3]), torch.tensor([[0, 1], [1, 2], [1, 0]]))
+    for _ in range(2):
+        bsrkit.scatter_mm(blocks, others, data)
+    info = bsrkit.cache_info()
+    assert (info.hits, info.misses, info.currsize) == (2, 2, 2)  # the verdict and the gemm list
+    del data
+    assert bsrkit.cache_info().currsize == 0
