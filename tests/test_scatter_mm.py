@@ -249,6 +249,7 @@ def test_cpu_plan_joins_split_n_panels():
         plan = plans.cpu_scatter_plan(data, 128, 16, 16, 256, grid_rows=4)
         assert plan.tiles.shape[0] == 4 and plan.covers and plan.disjoint
         assert plan.tasks[:, 2].tolist() == [128] * 4
+        assert plan.pairs.shape[0] == bsr._nnz()  # one gemm per block, as bsr_dense_mm
     data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format="scatter_mm")
     plan = plans.cpu_scatter_plan(data, 128, 16, 16, 256, tiling=(4, 8, 4, 16, 16))
     assert plan.tiles.shape[0] == 4 and plan.tasks[:, 2].tolist() == [128] * 4

@@ -417,7 +417,11 @@ def _build_cpu_scatter(
     first = (~joins).nonzero().view(-1)
     widths = torch.zeros(first.numel(), dtype=torch.int64).index_add_(0, group, torch.full((T,), Ns))
     gcounts = counts[first]
-    out_tiles = torch.cat((tiles[first], starts[first, None], (starts[first] + gcounts)[:, None]), dim=1)
+    # Only the pairs of the groups' first tiles are read: keep those, in tile order.
+    owner = torch.repeat_interleave(torch.arange(first.numel()), gcounts)
+    gstarts = torch.cumsum(gcounts, 0) - gcounts
+    pairs = pairs[starts[first][owner] + torch.arange(owner.numel()) - gstarts[owner]]
+    out_tiles = torch.cat((tiles[first], gstarts[:, None], (gstarts + gcounts)[:, None]), dim=1)
     # Tasks: each group cut into panels, panel-major (a worker's run reads few column panels of others).
     npanels = (widths + panel - 1) // panel
     tile_of = torch.repeat_interleave(torch.arange(first.numel()), npanels)
