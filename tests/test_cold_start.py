@@ -166,9 +166,17 @@ def test_one_compiled_signature_per_kernel():
     mat1 = torch.randn(32, 4).expand(2, 32, 4)  # a stride-0 batch: rows/cols come in non-contiguous
     bsrkit.sampled_addmm(bsr, mat1, torch.randn(4, 32), alpha=3)
     bsrkit.sampled_addmm(bsr[0], torch.randn(32, 4), torch.randn(4, 32))
+    for fmt in ("bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"):  # 2-D, batched, tiled views
+        for other in (dense[:, :16], torch.randn(2, 16, 32).mT):
+            data = bsrkit.bsr_scatter_mm_indices_data(bsr[0], other, indices_format=fmt)
+            bsrkit.bsr_scatter_mm(bsr[0], other, data)
+    pq = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
+    bsrkit.scatter_mm(
+        torch.randn(2, 4, 4), torch.randn(2, 4, 3).mT.mT, ("scatter_mm", torch.tensor([0, 2]), pq)
+    )
     # (products this small run the serial twins; the parallel loops share their argument lists)
-    for kernel in (_jit.bsr_mm_serial, _jit.sampled_serial):
+    for kernel in (_jit.bsr_mm_serial, _jit.sampled_serial, _jit.scatter_mm_serial):
         assert len(kernel.signatures) == 1, kernel.signatures
-    assert len(_jit.bsr_mm.signatures) <= 1 and len(_jit.sampled.signatures) <= 1
+    assert max(len(k.signatures) for k in (_jit.bsr_mm, _jit.sampled, _jit.scatter_mm)) <= 1
     info = kernels.compile_cache_info()
     assert info["bsr_mm_serial"]["hits"] + info["bsr_mm_serial"]["misses"] == 1

@@ -9,6 +9,7 @@ import torch.sparse._triton_ops as torch_ops
 
 import bsrkit
 from bsrkit import reference
+from bsrkit.backends import BACKENDS
 from helpers import assert_close, random_bsr
 
 FORMATS = ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"]
@@ -88,8 +89,9 @@ def test_indices_data_cached_and_never_stale():
     c = bsrkit.bsr_scatter_mm_indices_data(bsr, other)
     assert_close(bsrkit.bsr_scatter_mm(bsr, other, c), reference.bsr_scatter_mm(bsr, other))
     info = bsrkit.cache_info()
-    # Each indices-data call: the pattern's verdict and the indices data; the product: their verdict.
-    assert (info.hits, info.misses) == (2, 5)
+    # Each indices-data call: the pattern's verdict and the indices data; the product: their verdict
+    # and the CPU backend's gemm list (one entry each, on the indices data's tensors).
+    assert (info.hits, info.misses) == (2, 6)
 
 
 def test_errors():
@@ -122,3 +124,159 @@ def test_import_is_lean():
         "assert not torch.cuda.is_initialized(), 'cuda'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the compiled CPU kernel (and the torch backend beside it) -------------------------------------------
+
+
+@pytest.fixture(params=["cpu", "torch"])
+def backend(request, monkeypatch):
+    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "shape,blocksize,N,batch,split_n",
+    [
+        ((64, 48), (16, 8), 32, (), 4),  # rectangular blocks, SPLIT_N panels of 8 columns
+        ((48, 64), (8, 8), 16, (3,), 2),  # batched other
+        ((32, 32), (8, 8), 64, (2, 1), 1),
+    ],
+)
+def test_bsr_scatter_mm_every_format(backend, fmt, dtype, shape, blocksize, N, batch, split_n):
+    if backend == "cpu" and BACKENDS["cpu"].not_supported_reasons("scatter_mm", torch.device("cpu"), dtype):
+        pytest.skip(f"this BLAS has no {dtype} gemm")
+    bsr = random_bsr(shape, blocksize, 0.4, dtype, empty_rows=(1,), empty_cols=(0,), integers=True)
+    other = torch.randint(-3, 4, (*batch, shape[1], N)).to(dtype)  # small integers: exact products
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt, SPLIT_N=split_n)
+    out = torch.full((*batch, shape[0], N), float("nan"), dtype=dtype)  # every element must be written
+    assert bsrkit.bsr_scatter_mm(bsr, other, data, out=out) is out
+    torch.testing.assert_close(out, reference.bsr_scatter_mm(bsr, other), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bsr_scatter_mm_torch_indices_data_and_nnz_zero(backend, fmt):
+    bsr = random_bsr((64, 64), (16, 16), 0.5, empty_rows=(0, 3))
+    other = torch.randn(2, 64, 64)
+    data = torch_ops.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt)  # torch's own
+    assert_close(bsrkit.bsr_scatter_mm(bsr, other, data), reference.bsr_scatter_mm(bsr, other), k=64)
+    empty = torch.zeros(64, 64).to_sparse_bsr((16, 16))
+    data = bsrkit.bsr_scatter_mm_indices_data(empty, other, indices_format=fmt)
+    out = torch.full((2, 64, 64), 7.0)
+    assert torch.equal(bsrkit.bsr_scatter_mm(empty, other, data, out=out), torch.zeros(2, 64, 64))
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:2])
+def test_scatter_mm_strided_non_contiguous_operands(backend, fmt):
+    bsr = random_bsr((32, 48), (8, 16), 0.5, empty_rows=(2,))
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, torch.empty(48, 32), indices_format=fmt, SPLIT_N=4)
+    others = torch.randn(2, 32, 48).mT  # (2, 48, 32), column-major matrices
+    acc = torch.randn(32, 2, 64)[..., ::2].transpose(0, 1)  # (2, 32, 32), no unit stride
+    expected = reference.scatter_mm(bsr.values(), others, data, acc)
+    got = bsrkit.scatter_mm(bsr.values(), others, data, accumulators=acc)
+    assert got is acc
+    assert_close(acc, expected, k=48)
+
+
+def test_scatter_mm_hand_made_indices_non_contiguous(backend):
+    blocks = torch.randn(8, 5, 4, dtype=torch.float64)[::2]  # (4, 5, 4), every other block
+    others = torch.randn(7, 3, 4, dtype=torch.float64).mT  # (7, 4, 3)
+    c_offsets = torch.tensor([0, 3, 3, 4, 8])  # an empty output, int64
+    pq = torch.tensor([[0, 6], [3, 0], [0, 6], [2, 2], [1, 1], [1, 5], [3, 3], [2, 0]], dtype=torch.int32)
+    data = ("scatter_mm", c_offsets, pq)
+    acc = torch.randn(4, 3, 5, dtype=torch.float64).mT  # (4, 5, 3), column-major
+    expected = reference.scatter_mm(blocks, others, data, acc)
+    assert_close(bsrkit.scatter_mm(blocks, others, data, accumulators=acc), expected, k=4)
+
+
+def test_scatter_mm_overlapping_hand_made_tiles(backend):
+    """Tiles that overlap (off the grid, or twice at one place) still sum exactly."""
+    blocks = torch.randint(-3, 4, (3, 4, 4)).double()
+    others = torch.randint(-3, 4, (2, 8, 8)).double()
+    N = 8
+    r_offsets = torch.tensor([0, 0, 2 * N + 2], dtype=torch.int32)  # twice at (0, 0); one at (2, 2)
+    c_indices = torch.tensor([0, 2, 3, 5], dtype=torch.int32)
+    p_offsets = torch.tensor([0, 1, 2, 0, 2], dtype=torch.int32)
+    q_offsets = torch.tensor([0, 4 * N + 4, 4, 1, 3 * N], dtype=torch.int32)
+    data = ("bsr_strided_mm", c_indices, r_offsets, p_offsets, q_offsets, {"SPLIT_N": 2})
+    acc = torch.randint(-3, 4, (2, 8, 8)).double()
+    expected = reference.scatter_mm(blocks, others, data, acc)
+    torch.testing.assert_close(
+        bsrkit.scatter_mm(blocks, others, data, accumulators=acc), expected, rtol=0, atol=0
+    )
+
+
+def test_scatter_mm_accumulators_sharing_memory(backend):
+    """Accumulators that overlap an input still get the products of the inputs as they were."""
+    blocks = torch.randn(2, 4, 4)
+    buf = torch.randn(3, 4, 4)
+    data = ("scatter_mm", torch.tensor([0, 1, 2]), torch.tensor([[0, 1], [1, 2]]))
+    acc = buf[:2]  # others[1:] and acc[1:] share memory
+    expected = reference.scatter_mm(blocks, buf, data, acc.clone())
+    assert_close(bsrkit.scatter_mm(blocks, buf, data, accumulators=acc), expected, k=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cpu_backend_runs_the_compiled_kernel(monkeypatch, fmt, dtype):
+    import bsrkit.backends.torch_ops as torch_primitives
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("scatter_mm_into called")
+
+    monkeypatch.setattr(torch_primitives, "scatter_mm_into", refuse)
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsr = random_bsr((64, 32), (16, 8), 0.5, dtype, empty_rows=(1,))
+    other = torch.randn(32, 32, dtype=dtype)
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt)
+    assert_close(bsrkit.bsr_scatter_mm(bsr, other, data), reference.bsr_scatter_mm(bsr, other), k=32)
+    if fmt != "scatter_mm":
+        acc = torch.randn(64, 32, dtype=dtype)
+        expected = reference.scatter_mm(bsr.values(), other, data, acc)
+        assert_close(bsrkit.scatter_mm(bsr.values(), other, data, accumulators=acc), expected, k=32)
+
+
+def test_cpu_plan_joins_split_n_panels():
+    """torch's SPLIT_N panels of one block row become one wide gemm tile; empty rows one zero tile."""
+    from bsrkit import plans
+
+    bsr = random_bsr((64, 64), (16, 16), 0.5, empty_rows=(2,))
+    other = torch.randn(64, 128)
+    for fmt in FORMATS[:2]:
+        data = torch_ops.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt, SPLIT_N=8)
+        plan = plans.cpu_scatter_plan(data, 128, 16, 16, 256, grid_rows=4)
+        assert plan.tiles.shape[0] == 4 and plan.covers and plan.disjoint
+        assert plan.tasks[:, 2].tolist() == [128] * 4
+        assert plan.pairs.shape[0] == bsr._nnz()  # one gemm per block, as bsr_dense_mm
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format="scatter_mm")
+    plan = plans.cpu_scatter_plan(data, 128, 16, 16, 256, tiling=(4, 8, 4, 16, 16))
+    assert plan.tiles.shape[0] == 4 and plan.tasks[:, 2].tolist() == [128] * 4
+    assert plans.cpu_scatter_plan(data, 128, 16, 16, 256).tiles.shape[0] == 32  # plain stacks: no join
+
+
+@pytest.mark.parametrize("blocksize", [(1, 1), (1, 3), (2, 1)])
+def test_bsr_scatter_mm_thin_blocks_join_correctly(backend, blocksize):
+    """Tiles one row or column wide (strides of size-1 dims are arbitrary) join into valid gemms."""
+    bsr = random_bsr((4, 6), blocksize, 0.6, torch.float64, integers=True)
+    other = torch.randint(-3, 4, (2, 6, 4 * blocksize[0])).double()
+    for fmt in FORMATS:
+        data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt)
+        got = bsrkit.bsr_scatter_mm(bsr, other, data)
+        torch.testing.assert_close(got, reference.bsr_scatter_mm(bsr, other), rtol=0, atol=0)
+
+
+def test_cpu_plan_lives_as_long_as_the_indices_data(monkeypatch):
+    """The gemm list is cached on the index tensors: a second call hits, and the entry (with the
+    indices' verdict) goes when the tensors die."""
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsrkit.cache_clear()
+    blocks, others = torch.randn(2, 4, 4), torch.randn(3, 4, 4)
+    data = ("scatter_mm", torch.tensor([0, 2, 3]), torch.tensor([[0, 1], [1, 2], [1, 0]]))
+    for _ in range(2):
+        bsrkit.scatter_mm(blocks, others, data)
+    info = bsrkit.cache_info()
+    assert (info.hits, info.misses, info.currsize) == (2, 2, 2)  # the verdict and the gemm list
+    del data
+    assert bsrkit.cache_info().currsize == 0

@@ -206,14 +206,16 @@ def scatter_mm(
     others: torch.Tensor,
     indices_data: tuple[Any, ...],
     accumulators: torch.Tensor,
+    overwrite: bool = False,
 ) -> torch.Tensor:
-    """``accumulators += scatter_mm(blocks, others, indices_data)``; returns ``accumulators``."""
+    """``accumulators += scatter_mm(blocks, others, indices_data)`` (``overwrite``: ``=``, the elements
+    no tile reaches set to 0); returns ``accumulators``."""
     _, Ms, Ks = blocks.shape
     # The scatter formats take no meta= (torch's API has none): the backend's defaults, no table lookup.
     params = tuning.resolve(
         backend, op, blocks.device, blocks.dtype, (Ms, Ks, others.shape[-1]), (Ms, Ks), {}
     )
-    backend.scatter_mm(blocks, others, indices_data, accumulators, params)
+    backend.scatter_mm(blocks, others, indices_data, accumulators, params, overwrite)
     return accumulators
 
 

@@ -315,19 +315,34 @@ def scatter_mm(
 
     ``accumulators`` is accumulated into and returned; when None, a zero tensor is created.
     """
-    op = "scatter_mm"
+    return _scatter_mm("scatter_mm", blocks, others, indices_data, accumulators, overwrite=False)
+
+
+def _check_indices_format(op: str, indices_data: Any) -> str:
+    if not isinstance(indices_data, tuple) or not indices_data or indices_data[0] not in _INDICES_FORMATS:
+        got = indices_data[0] if isinstance(indices_data, tuple) and indices_data else indices_data
+        raise ValueError(
+            f"{op}(): expected indices_data[0] (the indices format) in {_INDICES_FORMATS}, got {got!r}"
+        )
+    return str(indices_data[0])
+
+
+def _scatter_mm(
+    op: str,
+    blocks: torch.Tensor,
+    others: torch.Tensor,
+    indices_data: tuple[Any, ...],
+    accumulators: torch.Tensor | None,
+    overwrite: bool,
+) -> torch.Tensor:
+    """:func:`scatter_mm` (``overwrite``: ``accumulators = ...``, as if they were zeros)."""
     check_strided(op, "blocks", blocks, min_ndim=3)
     check_strided(op, "others", others)
     if blocks.ndim != 3:
         raise ValueError(f"{op}(): expected blocks to be 3-D (P, Ms, Ks), got shape {tuple(blocks.shape)}")
     check_same_dtype(op, "others", others, "blocks", blocks)
     check_same_device(op, "others", others, "blocks", blocks)
-    if not isinstance(indices_data, tuple) or not indices_data or indices_data[0] not in _INDICES_FORMATS:
-        got = indices_data[0] if isinstance(indices_data, tuple) and indices_data else indices_data
-        raise ValueError(
-            f"{op}(): expected indices_data[0] (the indices format) in {_INDICES_FORMATS}, got {got!r}"
-        )
-    fmt = indices_data[0]
+    fmt = _check_indices_format(op, indices_data)
     _, Ms, Ks = blocks.shape
     if fmt == "scatter_mm":
         if others.ndim != 3 or others.shape[1] != Ks:
@@ -349,17 +364,33 @@ def scatter_mm(
         acc_shape = (*others.shape[:-2], M, N)
     if accumulators is None:
         accumulators = torch.zeros(acc_shape, dtype=blocks.dtype, device=blocks.device)
+        overwrite = False
     else:
         check_out(op, accumulators, acc_shape, blocks.dtype, blocks.device)
     if accumulators.numel() == 0:
         return accumulators
+    _run_scatter(op, blocks, others, indices_data, accumulators, tuple(others.shape), acc_shape, overwrite)
+    return accumulators
+
+
+def _run_scatter(
+    op: str,
+    blocks: torch.Tensor,
+    others: torch.Tensor,
+    indices_data: tuple[Any, ...],
+    accumulators: torch.Tensor,
+    others_shape: tuple[int, ...],
+    acc_shape: tuple[int, ...],
+    overwrite: bool,
+) -> None:
+    """Check ``indices_data`` against the operands' (logical) shapes once, then one backend call."""
+    _, Ms, Ks = blocks.shape
     try:  # once per indices data: every offset stays inside the operands
-        plans.check_indices_data(indices_data, blocks.shape[0], Ms, Ks, tuple(others.shape), acc_shape)
+        plans.check_indices_data(indices_data, blocks.shape[0], Ms, Ks, others_shape, acc_shape)
     except plans.MalformedPatternError as exc:
         raise ValueError(f"{op}(): malformed indices_data: {exc}") from None
     backend = dispatch.select(op, "scatter_mm", blocks.device, blocks.dtype)
-    dispatch.scatter_mm(op, backend, blocks, others, indices_data, accumulators)
-    return accumulators
+    dispatch.scatter_mm(op, backend, blocks, others, indices_data, accumulators, overwrite)
 
 
 def bsr_scatter_mm(
@@ -390,20 +421,33 @@ def bsr_scatter_mm(
         out = torch.empty(out_shape, dtype=bsr.dtype, device=bsr.device)
     else:
         check_out(op, out, out_shape, bsr.dtype, bsr.device)
-    out.zero_()
     if bsr._nnz() == 0 or out.numel() == 0:
-        return out
-    fmt = indices_data[0] if isinstance(indices_data, tuple) and indices_data else None
-    if fmt == "scatter_mm":
-        Ms, Ks = bsr.values().shape[-2:]
-        nb = math.prod(other.shape[:-2])
-        # Tiles of other (Ks x Ms) and of out (Ms x Ms), in the order the "scatter_mm" indices use.
-        others = other.reshape(nb, K // Ks, Ks, N // Ms, Ms).permute(0, 1, 3, 2, 4).reshape(-1, Ks, Ms)
-        acc = scatter_mm(bsr.values(), others, indices_data)
-        tiles = acc.view(nb, M // Ms, N // Ms, Ms, Ms).permute(0, 1, 3, 2, 4).reshape(out_shape)
-        out.copy_(tiles)
-        return out
-    return scatter_mm(bsr.values(), other, indices_data, accumulators=out)
+        return out.zero_()
+    fmt = _check_indices_format(op, indices_data)
+    if fmt != "scatter_mm":
+        return _scatter_mm(op, bsr.values(), other, indices_data, out, overwrite=True)
+    Ms, Ks = bsr.values().shape[-2:]
+    if N % Ms:
+        raise ValueError(
+            f"{op}(): the 'scatter_mm' format needs other.shape[-1] divisible by the block height {Ms}, "
+            f"got {N}"
+        )
+    nb = math.prod(other.shape[:-2])
+    KB, MB, NB = K // Ks, M // Ms, N // Ms
+    # The tiles of other (Ks x Ms) and of out (Ms x Ms) in the order the "scatter_mm" indices use, as
+    # views: (batch, block row, tile column) leading dimensions, no copies.
+    others = other.reshape(nb, KB, Ks, NB, Ms).permute(0, 1, 3, 2, 4)
+    try:
+        acc, copied = out.view(nb, M, N), False
+    except RuntimeError:  # batch dims that cannot be flattened: through a copy
+        acc, copied = out.reshape(nb, M, N).clone(), True
+    tiles = acc.view(nb, MB, Ms, NB, Ms).permute(0, 1, 3, 2, 4)
+    _run_scatter(
+        op, bsr.values(), others, indices_data, tiles, (nb * KB * NB, Ks, Ms), (nb * MB * NB, Ms, Ms), True
+    )
+    if copied:
+        out.copy_(acc.view(out_shape))
+    return out
 
 
 # -- sampled dense-dense products (SDDMM) ------------------------------------------------------------

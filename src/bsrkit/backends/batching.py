@@ -52,6 +52,15 @@ def flatten_strided_scatter(
     return others.reshape(-1, K, N), acc3, copied
 
 
+def flatten_scatter_stacks(
+    others: torch.Tensor, accumulators: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``others (*Q, Ks, Ns)`` and ``accumulators (*R, Ms, Ns)`` of the ``scatter_mm`` format as 3-D
+    tensors, and whether ``accumulators`` had to be copied (see :func:`as_3d`)."""
+    acc3, copied = as_3d(accumulators, (math.prod(accumulators.shape[:-2]), *accumulators.shape[-2:]))
+    return others.reshape(-1, *others.shape[-2:]), acc3, copied
+
+
 def block_coordinates(a: Operand, batch: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
     """(block rows, block columns) of ``a``'s stored blocks, each ``(prod(batch), nnz)`` int64."""
     rows = plans.block_rows(a.source)  # (Bb, nnz)

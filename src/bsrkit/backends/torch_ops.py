@@ -2,8 +2,9 @@
 
 The portable fallback (:class:`TorchBackend`): it runs every kernel on any device, and is chosen where
 no compiled backend can run (non-MKL CPU builds, CUDA without triton) or with ``BSRKIT_BACKEND=torch``.
-It also runs ``scatter_mm`` for the CPU backend. Work is chunked so that gathered operands stay within
-``_CHUNK_ELEMENTS`` elements. Half types are computed in float32.
+It also runs ``scatter_mm`` for the CPU backend where accumulators share memory with themselves or an
+input. Work is chunked so that gathered operands stay within ``_CHUNK_ELEMENTS`` elements. Half types
+are computed in float32.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from bsrkit.backends.base import ParamSpec
-from bsrkit.backends.batching import block_coordinates, flatten_addmm, flatten_strided_scatter
+from bsrkit.backends.batching import (
+    block_coordinates,
+    flatten_addmm,
+    flatten_scatter_stacks,
+    flatten_strided_scatter,
+)
 
 if TYPE_CHECKING:
     from bsrkit.operand import Operand
@@ -237,11 +243,14 @@ class TorchBackend:
         indices_data: tuple[Any, ...],
         accumulators: torch.Tensor,
         params: dict[str, Any],
+        overwrite: bool = False,
     ) -> None:
+        if overwrite:
+            accumulators.zero_()
         if indices_data[0] == "scatter_mm":
-            scatter_mm_into(blocks, others, indices_data, accumulators)
-            return
-        others3, acc3, copied = flatten_strided_scatter(others, accumulators)
+            others3, acc3, copied = flatten_scatter_stacks(others, accumulators)
+        else:
+            others3, acc3, copied = flatten_strided_scatter(others, accumulators)
         scatter_mm_into(blocks, others3, indices_data, acc3)
         if copied:
             accumulators.copy_(acc3.view(accumulators.shape))

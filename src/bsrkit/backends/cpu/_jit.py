@@ -384,6 +384,130 @@ def sampled(
                 _set_threads_local(set_threads, p_int + 28)
 
 
+# -- scatter_mm: acc[b, tile] += sum over its pairs of blocks[p] @ others[b, q] --------------------------
+
+
+@numba.njit(nogil=True, cache=False)
+def scatter_task_start(t, nthreads, cum, ntasks, nbatch):
+    """The first task (``batch * ntasks + i``) of worker ``t``'s run: the first whose preceding cost
+    reaches ``t / nthreads`` of the total (batch ``b``'s tasks cost ``cum`` each, after ``b`` batches)."""
+    if t <= 0:
+        return 0
+    if t >= nthreads:
+        return ntasks * nbatch
+    target = cum[ntasks] * nbatch * t / nthreads
+    lo, hi = 0, ntasks * nbatch
+    while lo < hi:
+        mid = (lo + hi) // 2
+        b = mid // ntasks
+        if b * cum[ntasks] + cum[mid - b * ntasks] >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@_njit(parallel=True, nogil=True)
+def scatter_mm(
+    kind, tiles, pairs, tasks, cum, nbatch, nthreads,
+    a_addr, a_gs, a_rowmajor, lda,
+    b_addr, b_boff, b_moff, b_rs, b_cs, b_rowmajor, ldb,
+    c_addr, c_boff, c_moff, c_rs, c_cs, c_rowmajor, ldc,
+    Ms, Ks, alpha, overwrite, isz_ab, isz_c,
+    sgemm, dgemm, gemm_bf16, gemm_f16, set_threads,
+):  # fmt: skip
+    """See :func:`bsrkit.backends.cpu.kernels.scatter_mm_kernel`. The last five arguments are BLAS
+    addresses (0: absent)."""
+    ntasks = tasks.shape[0]
+    if ntasks == 0 or nbatch == 0:
+        return
+    gemm = dgemm if kind == KIND_F64 else sgemm
+    gemm_half = gemm_bf16 if kind == KIND_BF16 else gemm_f16
+    for t in numba.prange(nthreads):
+        ints = np.zeros(9, np.int32)  # m n k lda ldb ldc 0 threads 1
+        reals = np.empty(3, np.float64)  # alpha, 1, 0
+        real32 = np.empty(3, np.float32)
+        chars = np.empty(4, np.uint8)
+        p_int = ints.ctypes.data
+        ints[7] = 1
+        ints[8] = 1
+        chars[2] = _CHAR_N
+        chars[3] = _CHAR_N
+        old_threads = _set_threads_local(set_threads, p_int + 28)
+        swap = c_rowmajor  # row-major C: compute C^T = B^T A^T in column-major terms
+        if swap:
+            chars[0] = _CHAR_N if b_rowmajor else _CHAR_T
+            chars[1] = _CHAR_N if a_rowmajor else _CHAR_T
+            ints[3] = ldb
+            ints[4] = lda
+        else:
+            chars[0] = _CHAR_T if a_rowmajor else _CHAR_N
+            chars[1] = _CHAR_T if b_rowmajor else _CHAR_N
+            ints[3] = lda
+            ints[4] = ldb
+        ints[2] = Ks
+        ints[5] = ldc
+        reals[0] = alpha
+        reals[1] = 1.0
+        reals[2] = 0.0
+        real32[0] = alpha
+        real32[1] = 1.0
+        real32[2] = 0.0
+        p_real = reals.ctypes.data if kind == KIND_F64 else real32.ctypes.data
+        rsize = 8 if kind == KIND_F64 else 4
+        p_chr = chars.ctypes.data
+        ta = _CBLAS_NO_TRANS if a_rowmajor else _CBLAS_TRANS
+        tb = _CBLAS_NO_TRANS if b_rowmajor else _CBLAS_TRANS
+        k_end = scatter_task_start(t + 1, nthreads, cum, ntasks, nbatch)
+        for k in range(scatter_task_start(t, nthreads, cum, ntasks, nbatch), k_end):
+            b = k // ntasks
+            i = k - b * ntasks
+            tile = tasks[i, 0]
+            j0 = tasks[i, 1]
+            w = tasks[i, 2]
+            if swap:
+                ints[0] = w
+                ints[1] = Ms
+            else:
+                ints[0] = Ms
+                ints[1] = w
+            c_ptr = (
+                c_addr
+                + (c_boff[b] + c_moff[tiles[tile, 0]] + tiles[tile, 1] * c_rs + (tiles[tile, 2] + j0) * c_cs)
+                * isz_c
+            )
+            g0 = tiles[tile, 3]
+            g1 = tiles[tile, 4]
+            if g0 == g1 and overwrite:  # a tile without products: gemm with k = 0, beta = 0 writes 0
+                ints[2] = 0
+                _call_fortran_gemm(gemm if kind <= KIND_F64 else sgemm, p_chr + 2, p_chr + 3, p_int,
+                                   p_int + 4, p_int + 8, p_real, c_ptr, p_int + 20, c_ptr, p_int + 32,
+                                   p_real + 2 * rsize, c_ptr, p_int + 20)  # fmt: skip
+                ints[2] = Ks
+            for g in range(g0, g1):
+                a_ptr = a_addr + pairs[g, 0] * a_gs * isz_ab
+                b_ptr = (
+                    b_addr
+                    + (b_boff[b] + b_moff[pairs[g, 1]] + pairs[g, 2] * b_rs + (pairs[g, 3] + j0) * b_cs)
+                    * isz_ab
+                )
+                first = overwrite and g == g0
+                if kind <= KIND_F64:  # float32 or float64: Fortran gemm
+                    x_ptr = b_ptr if swap else a_ptr
+                    y_ptr = a_ptr if swap else b_ptr
+                    _call_fortran_gemm(gemm, p_chr, p_chr + 1, p_int, p_int + 4, p_int + 8, p_real,
+                                       x_ptr, p_int + 12, y_ptr, p_int + 16,
+                                       p_real + (2 * rsize if first else rsize),
+                                       c_ptr, p_int + 20)  # fmt: skip
+                else:
+                    _call_cblas_gemm_half(gemm_half, _CBLAS_ROW_MAJOR, ta, tb, Ms, w, Ks, alpha,
+                                          a_ptr, lda, b_ptr, ldb, 0.0 if first else 1.0,
+                                          c_ptr, ldc)  # fmt: skip
+        if set_threads != 0:
+            ints[7] = old_threads
+            _set_threads_local(set_threads, p_int + 28)
+
+
 def _serial(parallel: Any, name: str) -> Any:
     """The same loop compiled without a parallel region, run when ``nthreads == 1``: launching numba's
     thread pool costs ~0.1-0.2 ms per call, more than a tiny product takes (``prange`` is ``range`` here).
@@ -396,10 +520,13 @@ def _serial(parallel: Any, name: str) -> Any:
 
 bsr_mm_serial = _serial(bsr_mm, "bsr_mm_serial")
 sampled_serial = _serial(sampled, "sampled_serial")
+scatter_mm_serial = _serial(scatter_mm, "scatter_mm_serial")
 
 DISPATCHERS = {
     "bsr_mm": bsr_mm,
     "sampled": sampled,
     "bsr_mm_serial": bsr_mm_serial,
     "sampled_serial": sampled_serial,
+    "scatter_mm": scatter_mm,
+    "scatter_mm_serial": scatter_mm_serial,
 }

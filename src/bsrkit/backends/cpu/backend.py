@@ -153,6 +153,45 @@ def cpu_device_name() -> str:
 _TORCH = TorchBackend()
 
 
+def _non_overlapping(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory (a sufficient test: sorted by stride, each
+    dimension steps past everything the smaller ones span)."""
+    span = 0
+    for stride, size in sorted((abs(st), s) for s, st in zip(t.shape, t.stride(), strict=True) if s > 1):
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
+def _tiled_stacks(others: torch.Tensor, accumulators: torch.Tensor) -> bool:
+    """Whether ``others (B, KB, NB, Ks, Ns)`` and ``accumulators (B, MB, NB, Ms, Ns)`` are the tiles of
+    batched ``(KB * Ks, NB * Ns)`` and ``(MB * Ms, NB * Ns)`` matrices (``bsr_scatter_mm``'s views):
+    then side-by-side tiles can be one gemm."""
+    if others.ndim != 5 or accumulators.ndim != 5 or others.shape[2] != accumulators.shape[2]:
+        return False
+    return all(
+        t.stride(2) == t.shape[4] * t.stride(4) and t.stride(1) == t.shape[3] * t.stride(3)
+        for t in (others, accumulators)
+    )
+
+
+def _untiled(t: torch.Tensor) -> torch.Tensor:
+    """The ``(B, R * rows, C * cols)`` matrices whose tiles a :func:`_tiled_stacks` operand views."""
+    B, R, C, rows, cols = t.shape
+    return t.as_strided((B, R * rows, C * cols), (t.stride(0), t.stride(3), t.stride(4)), t.storage_offset())
+
+
+def _needs_torch_scatter(blocks: torch.Tensor, others: torch.Tensor, accumulators: torch.Tensor) -> bool:
+    """Whether ``scatter_mm`` must take the torch primitives: accumulators whose elements share memory
+    (torch refuses to write them), or that share memory with an input (the kernel would read what it
+    writes; the primitives compute every product before adding)."""
+    if not _non_overlapping(accumulators):
+        return True
+    acc_storage = accumulators.untyped_storage().data_ptr()
+    return acc_storage in (blocks.untyped_storage().data_ptr(), others.untyped_storage().data_ptr())
+
+
 class CpuBackend:
     """Compiled numba loops calling the BLAS gemm that torch links (MKL), one gemm per (block, panel)."""
 
@@ -189,7 +228,8 @@ class CpuBackend:
         chosen: dict[str, Any],
     ) -> dict[str, Any]:
         params = {"panel": _DEFAULT_PANEL, "nthreads": max(1, torch.get_num_threads()), **chosen}
-        params["panel"] = min(params["panel"], max(shape[2], 1))
+        if op not in ("scatter_mm", "bsr_scatter_mm"):  # (their tiles may join wider than shape[2])
+            params["panel"] = min(params["panel"], max(shape[2], 1))
         # More workers than cores only adds scheduling (2**31 of them would never finish starting).
         params["nthreads"] = min(params["nthreads"], _machine_threads())
         return params
@@ -279,9 +319,71 @@ class CpuBackend:
         indices_data: tuple[Any, ...],
         accumulators: torch.Tensor,
         params: dict[str, Any],
+        overwrite: bool = False,
     ) -> None:
-        # Not compiled yet: the torch primitives (batched gemm + index_add) run it.
-        _TORCH.scatter_mm(blocks, others, indices_data, accumulators, params)
+        """The compiled tile loop over the indices data's gemm list (:func:`plans.cpu_scatter_plan`)."""
+        if _needs_torch_scatter(blocks, others, accumulators):
+            _TORCH.scatter_mm(blocks, others, indices_data, accumulators, params, overwrite)
+            return
+        kernel = kernels.scatter_mm_kernel()
+        fmt = indices_data[0]
+        _, Ms, Ks = blocks.shape
+        M, N = accumulators.shape[-2:]
+        stacks = fmt == "scatter_mm"  # matrices indexed by the leading dims; else batches of one matrix
+        Ns = N if stacks else N // indices_data[-1]["SPLIT_N"]
+        panel = params["panel"]
+        mnk = kernels.single_thread_mnk()
+        if mnk:  # keep each gemm single-threaded in BLAS (the workers are the threads)
+            panel = max(1, min(panel, mnk // max(Ms * Ks, 1)))
+        blocks, a_rowmajor, lda = _blas_operand(blocks)
+        others, b_rowmajor, ldb = _blas_operand(others)
+        half = accumulators.dtype in (torch.float16, torch.bfloat16)
+        if half:  # accumulate in a float32 buffer (of the same strides), written back once
+            target = torch.empty_strided(accumulators.shape, accumulators.stride(), dtype=torch.float32)
+            if not overwrite:
+                target.copy_(accumulators)
+        else:
+            target = accumulators
+        # (written through a copy when gemm cannot address it; the half gemm writes row-major only)
+        target, c_rowmajor, ldc = _blas_operand(target, row_major_only=half)
+        grid_rows = 0 if stacks or M % Ms else M // Ms
+        tiled = stacks and _tiled_stacks(others, target)
+        if tiled:  # joined tiles are wider: the layouts must hold for the whole matrices
+            b_layout, c_layout = _layout(_untiled(others)), _layout(_untiled(target))
+            tiled = b_layout is not None and c_layout is not None and (c_layout[0] or not half)
+            if b_layout is not None and c_layout is not None and tiled:
+                (b_rowmajor, ldb), (c_rowmajor, ldc) = b_layout, c_layout
+        tiling = (others.shape[1], others.shape[2], target.shape[1], Ks, Ns) if tiled else ()
+        plan = plans.cpu_scatter_plan(indices_data, others.shape[-1], Ms, Ns, panel, grid_rows, tiling)
+        if overwrite and not plan.covers:  # some elements are in no tile: zero them all first
+            target.zero_()
+            overwrite = False
+        if stacks:  # one "batch"; the element offset of every matrix (tiled: of every batch's matrix)
+            batch = torch.Size()
+            b_boff = c_boff = np.zeros(1, dtype=np.int64)
+            lead = 1 if tiled else others.ndim - 2
+            b_moff = _batch_offsets(others, lead, others.shape[:lead])
+            c_moff = _batch_offsets(target, lead, target.shape[:lead])
+        else:
+            batch = others.shape[:-2]
+            b_boff = _batch_offsets(others, len(batch), batch)
+            c_boff = _batch_offsets(target, len(batch), batch)
+            b_moff = c_moff = np.zeros(1, dtype=np.int64)
+        nthreads = params["nthreads"] if plan.disjoint else 1
+        if plan.pairs.shape[0] * Ms * Ks * Ns * math.prod(batch) < _SERIAL_WORK:
+            nthreads = 1  # (too small to pay for starting the worker threads)
+        args = (
+            _KINDS[accumulators.dtype], plan.tiles, plan.pairs, plan.tasks, plan.cost, math.prod(batch),
+            nthreads, _base_address(blocks), blocks.stride(0), a_rowmajor, lda,
+            _base_address(others), b_boff, b_moff, others.stride(-2), others.stride(-1), b_rowmajor, ldb,
+            _base_address(target), c_boff, c_moff, target.stride(-2), target.stride(-1), c_rowmajor, ldc,
+            Ms, Ks, 1.0, overwrite, blocks.element_size(), target.element_size(),
+        )  # fmt: skip
+        with _KERNEL_LOCK:
+            _set_numba_threads(nthreads)
+            kernel(*args)
+        if target is not accumulators:
+            accumulators.copy_(target)
 
     def softmax(
         self,

@@ -44,6 +44,8 @@ __all__ = [
     "bsr_mm_kernel",
     "compile_cache_info",
     "sampled_kernel",
+    "scatter_mm_kernel",
+    "single_thread_mnk",
     "supported_kinds",
     "threading_layer",
 ]
@@ -200,6 +202,33 @@ def sampled_kernel() -> Any:  # Callable[..., None] | None
     return _bind(
         "sampled_kernel", _jit.sampled, _jit.sampled_serial, 3, provider, 21, 18, (1, 2, 5, 10), k_chunk
     )
+
+
+@functools.cache
+def scatter_mm_kernel() -> Any:  # Callable[..., None] | None
+    """The ``scatter_mm`` kernel: ``C[b, tile] += alpha * sum over the tile's pairs of A[p] @ B[b, q]``.
+
+    Driven by a :class:`bsrkit.plans.CpuScatterPlan`: ``tiles`` (T, 5) = (matrix, row, column, first
+    pair, end pair) of each output tile of C; ``pairs`` (G, 4) = (block p, matrix, row, column) of B;
+    ``tasks`` (S, 3) = (tile, column offset, width) and ``cum`` their cost prefix sums. Element offsets
+    are ``boff[b] + moff[matrix] + row * rs + column * cs``. Each worker takes one contiguous run of
+    (batch, task) of about equal cost; each pair is one gemm ``(Ms x w) += (Ms x Ks) @ (Ks x w)`` into
+    the strided tile (``overwrite``: ``=`` for a tile's first pair, and tiles without pairs written 0).
+    Tasks must write disjoint tiles unless ``nthreads`` is 1. None when no BLAS provider exists.
+    """
+    provider = blas_provider()
+    if provider is None:
+        return None
+    from bsrkit.backends.cpu import _jit
+
+    arrays_at = (1, 2, 3, 4, 12, 13, 19, 20)
+    return _bind("scatter_mm_kernel", _jit.scatter_mm, _jit.scatter_mm_serial, 6, provider, 31, 27, arrays_at)
+
+
+def single_thread_mnk() -> int:
+    """Up to which ``m * n * k`` one gemm call of the BLAS provider stays single-threaded (0: any)."""
+    provider = blas_provider()
+    return 0 if provider is None else provider.single_thread_mnk
 
 
 def compile_cache_info() -> dict[str, dict[str, Any]]:

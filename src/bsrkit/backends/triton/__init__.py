@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from bsrkit.backends.base import ParamSpec, int_at_least_one, power_of_two_at_least_16
-from bsrkit.backends.batching import block_coordinates, flatten_addmm, flatten_strided_scatter
+from bsrkit.backends.batching import (
+    block_coordinates,
+    flatten_addmm,
+    flatten_scatter_stacks,
+    flatten_strided_scatter,
+)
 from bsrkit.backends.triton.tiles import clamped_tiles
 
 if TYPE_CHECKING:
@@ -143,13 +148,16 @@ class TritonBackend:
         indices_data: tuple[Any, ...],
         accumulators: torch.Tensor,
         params: dict[str, Any],
+        overwrite: bool = False,
     ) -> None:
         from bsrkit.backends.triton import kernels
 
+        if overwrite:
+            accumulators.zero_()
         if indices_data[0] == "scatter_mm":
-            kernels.scatter_mm_into(blocks, others, indices_data, accumulators, params)
-            return
-        others3, acc3, copied = flatten_strided_scatter(others, accumulators)
+            others3, acc3, copied = flatten_scatter_stacks(others, accumulators)
+        else:
+            others3, acc3, copied = flatten_strided_scatter(others, accumulators)
         kernels.scatter_mm_into(blocks, others3, indices_data, acc3, params)
         if copied:
             accumulators.copy_(acc3.view(accumulators.shape))
