@@ -19,13 +19,11 @@ from bsrkit.ops import (
     _int_bsr_dense_addmm,
     bsr_dense_addmm,
     bsr_dense_mm,
-    bsr_scatter_mm,
-    bsr_scatter_mm_indices_data,
     bsr_transposed_dense_mm,
     sampled_addmm,
-    scatter_mm,
 )
 from bsrkit.plans import cache_clear, cache_info
+from bsrkit.scatter import bsr_scatter_mm, bsr_scatter_mm_indices_data, scatter_mm
 from bsrkit.softmax import bsr_softmax
 
 __version__ = "0.1.0"

@@ -216,7 +216,7 @@ def indices_data_defect(
 ) -> str | None:
     """What is wrong with ``indices_data`` of ``scatter_mm`` for ``P`` blocks ``(Ms, Ks)``, ``others`` and
     ``accumulators`` of the given shapes, or None: every offset must stay inside its operand, so that no
-    kernel reads or writes outside them (semantics in :func:`bsrkit.ops.scatter_mm`)."""
+    kernel reads or writes outside them (semantics in :func:`bsrkit.scatter.scatter_mm`)."""
     fmt = indices_data[0]
     if fmt == "scatter_mm":
         if len(indices_data) != 3:

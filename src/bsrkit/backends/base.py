@@ -117,7 +117,7 @@ class Backend(Protocol):
     ) -> None:
         """``accumulators += scatter_mm(blocks, others, indices_data)`` (``overwrite``: ``=``, every
         element the indices data do not reach set to 0) in one of the three indices formats (semantics
-        in :func:`bsrkit.ops.scatter_mm`). In the ``scatter_mm`` format ``others`` is ``(*Q, Ks, Ns)``
+        in :func:`bsrkit.scatter.scatter_mm`). In the ``scatter_mm`` format ``others`` is ``(*Q, Ks, Ns)``
         and ``accumulators`` ``(*R, Ms, Ns)``, indexed by their flattened leading dimensions (views
         with any strides); for the ``bsr_strided_mm*`` formats ``others`` is ``(*B, K, N)`` and
         ``accumulators`` ``(*B, M, N)``."""

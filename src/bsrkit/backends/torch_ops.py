@@ -101,7 +101,7 @@ def _gather_products(
 def scatter_mm_into(
     blocks: torch.Tensor, others: torch.Tensor, indices_data: tuple, accumulators: torch.Tensor
 ) -> None:
-    """The three formats of ``scatter_mm`` (semantics in ``bsrkit.ops.scatter_mm``), accumulating; for
+    """The three formats of ``scatter_mm`` (semantics in ``bsrkit.scatter.scatter_mm``), accumulating; for
     the ``bsr_strided_mm*`` formats ``others`` and ``accumulators`` are 3-D."""
     fmt = indices_data[0]
     acc_dtype = accumulate_dtype(accumulators.dtype)

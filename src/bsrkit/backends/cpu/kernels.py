@@ -169,7 +169,7 @@ def bsr_mm_kernel() -> Any:  # Callable[..., None] | None
     provider = blas_provider()
     if provider is None:
         return None
-    from bsrkit.backends.cpu import _jit  # deferred: importing numba costs ~0.3 s and is needed only here
+    import bsrkit.backends.cpu._jit as _jit  # deferred: importing numba costs ~0.3 s, needed only here
 
     def limit_panel(args: list[Any], mnk: int) -> tuple[()]:
         if mnk:  # each gemm is (Ms x panel) += (Ms x Ks) @ (Ks x panel)
@@ -193,7 +193,7 @@ def sampled_kernel() -> Any:  # Callable[..., None] | None
     provider = blas_provider()
     if provider is None:
         return None
-    from bsrkit.backends.cpu import _jit
+    import bsrkit.backends.cpu._jit as _jit
 
     def k_chunk(args: list[Any], mnk: int) -> tuple[int]:
         K = args[17]  # each gemm is (Ms x Ns) (+)= (Ms x k) @ (k x Ns), over chunks k of K
@@ -219,7 +219,7 @@ def scatter_mm_kernel() -> Any:  # Callable[..., None] | None
     provider = blas_provider()
     if provider is None:
         return None
-    from bsrkit.backends.cpu import _jit
+    import bsrkit.backends.cpu._jit as _jit
 
     arrays_at = (1, 2, 3, 4, 12, 13, 19, 20)
     return _bind("scatter_mm_kernel", _jit.scatter_mm, _jit.scatter_mm_serial, 6, provider, 31, 27, arrays_at)
