@@ -63,6 +63,13 @@ def _set_numba_threads(n: int) -> None:
         _numba_threads.n = n
 
 
+def _run(kernel: Any, nthreads: int, *args: Any) -> None:
+    """Call a compiled loop on ``nthreads`` numba threads, one call at a time (see ``_KERNEL_LOCK``)."""
+    with _KERNEL_LOCK:
+        _set_numba_threads(nthreads)
+        kernel(*args)
+
+
 def _batch_offsets(t: torch.Tensor, t_batch_ndim: int, batch: torch.Size) -> np.ndarray:
     """Element offset (from the storage start) of each flattened index of ``batch``, for ``t`` whose
     first ``t_batch_ndim`` dimensions broadcast to ``batch``. No copies: broadcast dims add 0."""
@@ -272,9 +279,7 @@ class CpuBackend:
             target.stride(-2), target.stride(-1), c_rowmajor, ldc,
             Ms, Ks, N, params["panel"], alpha, overwrite, values.element_size(), target.element_size(),
         )  # fmt: skip
-        with _KERNEL_LOCK:
-            _set_numba_threads(nthreads)
-            kernel(*args)
+        _run(kernel, nthreads, *args)
         if target is not out:
             out.copy_(target)
 
@@ -307,9 +312,7 @@ class CpuBackend:
             mat2.stride(-1), b_rowmajor, ldb,
             out.data_ptr(), Ms, Ns, mat1.shape[-1], alpha, mat1.element_size(), out.element_size(),
         )  # fmt: skip
-        with _KERNEL_LOCK:
-            _set_numba_threads(nthreads)
-            kernel(*args)
+        _run(kernel, nthreads, *args)
         return out.to(mat1.dtype) if half else out
 
     def scatter_mm(
@@ -379,9 +382,7 @@ class CpuBackend:
             _base_address(target), c_boff, c_moff, target.stride(-2), target.stride(-1), c_rowmajor, ldc,
             Ms, Ks, 1.0, overwrite, blocks.element_size(), target.element_size(),
         )  # fmt: skip
-        with _KERNEL_LOCK:
-            _set_numba_threads(nthreads)
-            kernel(*args)
+        _run(kernel, nthreads, *args)
         if target is not accumulators:
             accumulators.copy_(target)
 
@@ -409,12 +410,11 @@ class CpuBackend:
         out = torch.empty_like(x4)
         crow = plans.cpu_mm_plan(a.source).crow
         nthreads = max(1, torch.get_num_threads())
-        with _KERNEL_LOCK:
-            _set_numba_threads(nthreads)
-            kernel(
-                crow, x4.numpy(), bias4.numpy(), bias_of, bias is not None, out.numpy(),
-                zero_empty_rows, compute == torch.float32,
-            )  # fmt: skip
+        _run(
+            kernel, nthreads,
+            crow, x4.numpy(), bias4.numpy(), bias_of, bias is not None, out.numpy(),
+            zero_empty_rows, compute == torch.float32,
+        )  # fmt: skip
         return out.reshape(x.shape).to(x.dtype)
 
     def softmax_backward(self, a: Operand, y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -428,9 +428,7 @@ class CpuBackend:
         out = torch.empty_like(y4)
         crow = plans.cpu_mm_plan(a.source).crow
         nthreads = max(1, torch.get_num_threads())
-        with _KERNEL_LOCK:
-            _set_numba_threads(nthreads)
-            kernel(crow, y4.numpy(), g4.numpy(), out.numpy())
+        _run(kernel, nthreads, crow, y4.numpy(), g4.numpy(), out.numpy())
         return out.reshape(y.shape).to(y.dtype)
 
     def attention_forward(
@@ -469,11 +467,10 @@ class CpuBackend:
             bias_of = _bsr_batch_of(bias.shape[:-3], batch)
         plan = plans.cpu_mm_plan(a.source)
         nthreads = max(1, torch.get_num_threads())
-        with _KERNEL_LOCK:
-            _set_numba_threads(nthreads)
-            kernel(
-                plan.crow, plan.col, q.numpy(), k.numpy(), v.numpy(), bias4.numpy(), bias_of,
-                bias is not None, out.numpy(), weights.numpy(), need_weights, scale, Ms, Ns,
-                query.dtype == torch.float64, nthreads,
-            )  # fmt: skip
+        _run(
+            kernel, nthreads,
+            plan.crow, plan.col, q.numpy(), k.numpy(), v.numpy(), bias4.numpy(), bias_of,
+            bias is not None, out.numpy(), weights.numpy(), need_weights, scale, Ms, Ns,
+            query.dtype == torch.float64, nthreads,
+        )  # fmt: skip
         return out.reshape(*batch, L, Ev), weights.reshape(*batch, nnz, Ms, Ns) if need_weights else None
