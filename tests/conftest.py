@@ -14,3 +14,16 @@ import torch
 # Every sparse tensor a test builds is validated (torch otherwise warns that checks are off); the
 # library's own constructions opt out explicitly, since their indices come from a validated tensor.
 torch.sparse.check_sparse_tensor_invariants.enable()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(params=["cpu", "torch", pytest.param("triton", marks=pytest.mark.triton)])
+def backend(request, monkeypatch):
+    """Every backend in turn, forced through $BSRKIT_BACKEND (Triton in its interpreter; skipped without
+    triton). Modules that test fewer backends define their own ``backend``."""
+    if request.param == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
+    return request.param

@@ -8,16 +8,7 @@ import bsrkit
 from bsrkit import plans, reference
 from helpers import random_bsr
 
-BACKENDS = ["cpu", "torch", pytest.param("triton", marks=pytest.mark.triton)]
 # Triton's interpreter takes seconds per call: its tests use the few smallest cases.
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    if request.param == "triton":
-        pytest.importorskip("triton")
-    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
-    return request.param
 
 
 def _inputs(q_shape, k_shape, v_shape, dtype=torch.float64, seed=0):

@@ -20,7 +20,6 @@ from bsrkit import reference
 from helpers import random_bsr, tolerances
 
 LONG = os.environ.get("BSRKIT_FUZZ") == "long"
-BACKENDS = ["cpu", "torch", "triton"]
 
 
 def _settings(backend: str) -> settings:
@@ -31,14 +30,6 @@ def _settings(backend: str) -> settings:
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
         derandomize=not LONG,  # CI: the same examples every run; long runs explore
     )
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    if request.param == "triton":
-        pytest.importorskip("triton")
-    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
-    return request.param
 
 
 @st.composite

@@ -9,14 +9,6 @@ from bsrkit import reference
 from helpers import assert_close, random_bsr
 
 
-@pytest.fixture(params=["cpu", "torch", "triton"])
-def backend(request, monkeypatch):
-    if request.param == "triton":
-        pytest.importorskip("triton")
-    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("batched", [False, True])
 def test_left_and_right_alpha(backend, dtype, batched):

@@ -17,16 +17,6 @@ _TOL = {
     torch.float16: {"rtol": 1e-3, "atol": 5e-4},
 }
 
-BACKENDS = ["cpu", "torch", pytest.param("triton", marks=pytest.mark.triton)]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    if request.param == "triton":
-        pytest.importorskip("triton")
-    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
-    return request.param
-
 
 def _check(x: torch.Tensor, y: torch.Tensor) -> None:
     assert y.layout == torch.sparse_bsr and y.shape == x.shape and y.dtype == x.dtype
