@@ -205,8 +205,9 @@ def test_plan_cache_entry_dies_with_the_bsr(monkeypatch):
     bsrkit.bsr_dense_mm(bsr, x)
     bsrkit.bsr_dense_mm(bsr, x)
     info = bsrkit.cache_info()
-    # Two entries per pattern: the validity verdict (every backend) and the CPU kernel's plan.
-    assert (info.misses, info.hits, info.currsize) == (2, 2, 2)
+    # Two entries per pattern: the validity verdict (every backend) and the CPU kernel's plan; the second
+    # product finds both in one hit (the verdict holds the plan it was asked for).
+    assert (info.misses, info.hits, info.currsize) == (2, 1, 2)
     assert info.nbytes > 0
     crow_ref = weakref.ref(bsr.crow_indices())  # a fresh alias: dies now, says nothing
     del crow_ref
@@ -300,3 +301,31 @@ def test_bsr_made_in_inference_mode(backend):
             k=32,
         )
     assert_close(got, ref, k=24)
+
+
+def test_repeated_calls_follow_new_data(monkeypatch):
+    """The CPU backend reuses a call's marshaled arguments for calls of the same layouts: every repeat
+    must still read the current values, dense and out (new tensors, views at other offsets, in-place
+    changes), and more layouts than it keeps per plan must stay correct."""
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsr = random_bsr((32, 48), (8, 16), 0.5, empty_rows=(1,))
+    crow, col = bsr.crow_indices(), bsr.col_indices()
+    big = torch.randn(3, 48, 10)
+    for step in range(3):
+        values = torch.randn_like(bsr.values())  # a rebuilt weight: same pattern, new values memory
+        weight = torch.sparse_bsr_tensor(crow, col, values, size=bsr.shape)
+        for dense in (torch.randn(48, 10), big[step], big[(step + 1) % 3]):  # new memory, other offsets
+            out = torch.full((32, 10), float("nan"))
+            bsrkit.bsr_dense_mm(weight, dense, out=out)
+            assert_close(out, reference.bsr_dense_mm(weight, dense), k=48)
+        values.mul_(-2)  # in place: the next product reads it
+        assert_close(bsrkit.bsr_dense_mm(weight, big[0]), reference.bsr_dense_mm(weight, big[0]), k=48)
+    for n in range(1, 20):  # more signatures than a plan keeps
+        dense = torch.randn(48, n)
+        assert_close(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=48)
+        addend = torch.randn(32, n)
+        assert_close(
+            bsrkit.bsr_dense_addmm(addend, bsr, dense, beta=0.5, alpha=2.0),
+            reference.bsr_dense_addmm(addend, bsr, dense, beta=0.5, alpha=2.0),
+            k=48,
+        )

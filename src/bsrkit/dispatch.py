@@ -8,13 +8,13 @@ shares — ``out := beta * input`` first, the empty-product shortcuts, reshaping
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 
 from bsrkit import tuning
 from bsrkit.backends import BACKENDS, Backend
+from bsrkit.environment import getenv
 from bsrkit.operand import Operand
 
 __all__ = [
@@ -44,7 +44,7 @@ def select(op: str, kernel: str, device: torch.device, dtype: torch.dtype) -> Ba
     backend that cannot run raises ``ValueError`` with its reasons (``triton`` on CPU tensors runs
     Triton's interpreter and needs ``TRITON_INTERPRET=1``).
     """
-    forced = os.environ.get(BACKEND_ENV)
+    forced = getenv(BACKEND_ENV)
     if forced:
         backend = BACKENDS.get(forced)
         if backend is None:
@@ -55,7 +55,7 @@ def select(op: str, kernel: str, device: torch.device, dtype: torch.dtype) -> Ba
         return backend
     memo = (kernel, device.type, dtype)
     backend = _chosen.get(memo)
-    if backend is None:
+    if backend is None:  # (asked once per kernel, device type and dtype)
         backend = next(
             b
             for b in BACKENDS.values()

@@ -27,6 +27,7 @@ class Operand(NamedTuple):
     K: int
     source: Any
     transposed_block_cols: int = 0
+    pattern: plans.Pattern | None = None  # the verdict, which keeps plans fetched through it
 
     @property
     def batch(self) -> torch.Size:
@@ -71,10 +72,10 @@ class Operand(NamedTuple):
         if M % Ms or K % Ks:
             raise ValueError(f"{op}(): malformed {name}: blocks {(Ms, Ks)} do not tile its shape {(M, K)}")
         try:
-            plans.check_pattern(source, M // Ms, K // Ks, nnz)
+            pattern = plans.check_pattern(source, M // Ms, K // Ks, nnz)
         except plans.MalformedPatternError as exc:
             raise ValueError(f"{op}(): malformed {name}: {exc}") from None
-        return cls(crow, col, values, M, K, source)
+        return cls(crow, col, values, M, K, source, 0, pattern)
 
     def transposed(self) -> Operand:
         """The operand of ``bsr.mT``: the plan maps its blocks to the original's; no dense transpose."""
@@ -86,4 +87,6 @@ class Operand(NamedTuple):
         values_t = gathered.reshape(*batch, *gathered.shape[1:]).mT  # blocks (Ks, Ms), column-major
         crow_t = t.crow.reshape(*batch, -1)
         col_t = t.col.reshape(*batch, -1)
-        return Operand(crow_t, col_t, values_t, self.K, self.M, self.source, self.K // Ks if Ks else 0)
+        return Operand(
+            crow_t, col_t, values_t, self.K, self.M, self.source, self.K // Ks if Ks else 0, self.pattern
+        )

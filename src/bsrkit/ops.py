@@ -141,9 +141,16 @@ def _int_bsr_dense_addmm(
     )  # fmt: skip
 
 
+_ADDMM_DTYPES = (*SUPPORTED_DTYPES, torch.int8)
+
+
 def _needs_grad(*tensors: Any) -> bool:
-    # (non-tensors fall through to validation, which names them)
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # noqa: SIM110 (a loop, not any(): every product runs this)
+        if isinstance(t, torch.Tensor) and t.requires_grad:  # (non-tensors: validation names them)
+            return True
+    return False
 
 
 def checked_addmm(
@@ -170,7 +177,7 @@ def checked_addmm(
         )
     beta = check_scalar(op, "beta", beta)
     alpha = check_scalar(op, "alpha", alpha)
-    check_bsr(op, "bsr", bsr, dtypes=(*SUPPORTED_DTYPES, torch.int8))
+    check_bsr(op, "bsr", bsr, dtypes=_ADDMM_DTYPES)
     check_strided(op, "dense", dense)
     check_same_dtype(op, "dense", dense, "bsr", bsr)
     check_same_device(op, "dense", dense, "bsr", bsr)
@@ -188,7 +195,9 @@ def checked_addmm(
         raise ValueError(f"{op}(): expected dense.shape[-2] == {K} ({where}), got {dense.shape[-2]}")
     batch = broadcast_batch(op, ("bsr", "dense"), (bsr.shape[:-2], dense.shape[:-2]))
     out_shape = (*batch, M, dense.shape[-1])
-    for name, scale, extent in (("left_alpha", left, M), ("right_alpha", right, dense.shape[-1])):
+    for name, scale, extent in () if left is None and right is None else (
+        ("left_alpha", left, M), ("right_alpha", right, dense.shape[-1])
+    ):  # fmt: skip
         if scale is None:
             continue
         check_strided(op, name, scale, min_ndim=1)

@@ -24,6 +24,7 @@ __all__ = [
     "CpuMMPlan",
     "CpuScatterPlan",
     "MalformedPatternError",
+    "Pattern",
     "TransposePlan",
     "block_rows",
     "cache_clear",
@@ -47,6 +48,9 @@ class CpuMMPlan(NamedTuple):
     crow: np.ndarray  # (batches, block_rows + 1)
     col: np.ndarray  # (batches, nnz)
     cost: np.ndarray  # (batches, block_rows + 1) float64: cost of rows 0..r-1, in blocks
+    # The backend's marshaled kernel arguments per call signature (operand layouts, scalars), so that a
+    # repeated call only patches the data addresses; they live and die with the plan.
+    calls: dict[Any, Any]
 
 
 class CpuScatterPlan(NamedTuple):
@@ -100,13 +104,24 @@ class MalformedPatternError(ValueError):
     """Indices that are not a valid BSR pattern; the message names the defect."""
 
 
-def check_pattern(source: Source, block_rows: int, block_cols: int, nnz: int) -> None:
+class Pattern:
+    """The verdict on a valid pattern, which also holds the plans fetched through it
+    (:func:`cpu_mm_plan` with ``pattern=``), so that a product finds verdict and plan in one cache lookup.
+    It lives in the cache entry of the verdict: with the pattern's memory, until an in-place change."""
+
+    __slots__ = ("plans",)
+
+    def __init__(self) -> None:
+        self.plans: dict[tuple[Any, ...], Any] = {}
+
+
+def check_pattern(source: Source, block_rows: int, block_cols: int, nnz: int) -> Pattern:
     """Raise ``ValueError`` naming the defect unless ``source``'s indices are a valid BSR pattern of
     ``block_rows x block_cols`` blocks with ``nnz`` stored per batch (see :func:`pattern_defect`).
 
     Checked once per pattern: the verdict is cached like a plan (a malformed pattern is not cached, so it
     raises on every call), so hits read no index data."""
-    _plan("check", source, block_rows, block_cols, nnz)
+    return _plan("check", source, block_rows, block_cols, nnz)
 
 
 def check_indices_data(
@@ -154,10 +169,17 @@ def cpu_scatter_plan(
     return _plan("cpu_scatter", fmt, tensors, split_n, N, Ms, Ns, panel, grid_rows, tiling)
 
 
-def cpu_mm_plan(source: Source, transposed_block_cols: int = 0) -> CpuMMPlan:
+def cpu_mm_plan(source: Source, transposed_block_cols: int = 0, pattern: Pattern | None = None) -> CpuMMPlan:
     """Kernel plan for ``source`` (or, with ``transposed_block_cols`` = its block-column count > 0, for
-    its transpose)."""
-    return _plan("cpu_mm", source, transposed_block_cols)
+    its transpose). ``pattern``: the source's verdict (:func:`check_pattern`), which keeps the plan once
+    fetched, so that later products skip a second cache lookup."""
+    if pattern is None:
+        return _plan("cpu_mm", source, transposed_block_cols)
+    plan = pattern.plans.get(("cpu_mm", transposed_block_cols))
+    if plan is None:
+        plan = _plan("cpu_mm", source, transposed_block_cols)
+        pattern.plans[("cpu_mm", transposed_block_cols)] = plan
+    return plan
 
 
 def transpose_plan(source: Source, block_cols: int) -> TransposePlan:
@@ -184,14 +206,14 @@ def _indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
     return crow2, col.reshape(crow2.shape[0], col.shape[-1]).to(torch.int64)
 
 
-def _build_check(source: Source, block_rows: int, block_cols: int, nnz: int) -> bool:
+def _build_check(source: Source, block_rows: int, block_cols: int, nnz: int) -> Pattern:
     if isinstance(source, TensorKey):
         source = source.obj
     crow, col = (source.crow_indices(), source.col_indices()) if isinstance(source, torch.Tensor) else source
     defect = pattern_defect(crow, col, block_rows, block_cols, nnz)
     if defect is not None:
         raise MalformedPatternError(defect)
-    return True
+    return Pattern()
 
 
 def _build_check_indices(indices_data: tuple[Any, ...], *extents: Any) -> bool:
@@ -216,7 +238,7 @@ def _build_cpu_mm(source: Source, transposed_block_cols: int) -> CpuMMPlan:
     cost = crow.diff(dim=1).to(torch.float64) + _ROW_OVERHEAD_BLOCKS
     cum = torch.cat([cost.new_zeros(cost.shape[0], 1), cost.cumsum(1)], dim=1)
     # Copies (not views) of the indices: a plan must not hold a view of a source tensor.
-    return CpuMMPlan(crow.clone().numpy(), col.clone().numpy(), cum.numpy())
+    return CpuMMPlan(crow.clone().numpy(), col.clone().numpy(), cum.numpy(), {})
 
 
 def _build_rows(source: Source) -> torch.Tensor:

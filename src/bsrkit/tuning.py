@@ -29,6 +29,7 @@ import torch
 
 from bsrkit.backends import BACKENDS, Backend
 from bsrkit.backends.cpu.backend import cpu_device_name
+from bsrkit.environment import getenv
 
 __all__ = [
     "TABLE_ENV",
@@ -60,7 +61,7 @@ _USER_TABLE: list[Path] = []
 
 def default_table_path() -> Path:
     """``$BSRKIT_TUNING_TABLE``, else ``tuning.json`` in the user cache directory."""
-    env = os.environ.get(TABLE_ENV)
+    env = getenv(TABLE_ENV)
     if env:
         return Path(env)
     if not _USER_TABLE:
@@ -97,7 +98,7 @@ def _warn_once(tag: str, message: str) -> None:
 
 def load_table(path: Path | str | None = None) -> dict[str, dict[str, Any]]:
     """The entries of a tuning table ({} when missing, corrupt or foreign; the latter two warn once)."""
-    name = str(path) if path is not None else os.environ.get(TABLE_ENV) or str(default_table_path())
+    name = str(path) if path is not None else getenv(TABLE_ENV) or str(default_table_path())
     now = time.monotonic()
     cached = _loaded.get(name)
     if cached is not None and now - cached[1] < _RECHECK_SECONDS:
@@ -225,6 +226,37 @@ def resolve(
     schema = backend.param_schema
     if not schema:
         return {}
+    if meta is None:
+        # Memoized per call shape: valid while the table (re-read when its file changes) and the set of
+        # given warnings are the same objects, and torch's thread count (the CPU default) is unchanged.
+        memo = (backend.name, op, device, dtype, shape, blocksize, torch.get_num_threads())
+        entries = load_table()
+        hit = _resolved.get(memo)
+        if hit is not None and hit[0] is entries and hit[1] is _warned:
+            return dict(hit[2])
+        params = _resolve_unmemoized(backend, op, device, dtype, shape, blocksize, meta)
+        if len(_resolved) >= _RESOLVED_MAX:
+            _resolved.clear()
+        _resolved[memo] = (entries, _warned, params)
+        return dict(params)
+    return _resolve_unmemoized(backend, op, device, dtype, shape, blocksize, meta)
+
+
+# (backend, op, device, dtype, shape, blocksize, threads) -> (table, warnings given, params)
+_resolved: dict[tuple[Any, ...], tuple[dict[str, Any], set[str], dict[str, Any]]] = {}
+_RESOLVED_MAX = 4096
+
+
+def _resolve_unmemoized(
+    backend: Backend,
+    op: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    blocksize: tuple[int, int],
+    meta: dict[str, Any] | None,
+) -> dict[str, Any]:
+    schema = backend.param_schema
     if meta is None:
         name = backend.tuning_device(device)
         tuned = lookup(op, dtype, shape, blocksize, name, backend.tune_flag) or {}

@@ -81,8 +81,13 @@ def check_same_device(op: str, name: str, t: torch.Tensor, ref_name: str, ref: t
         )
 
 
+_NO_BATCH = torch.Size()
+
+
 def broadcast_batch(op: str, names: tuple[str, ...], shapes: tuple[torch.Size, ...]) -> torch.Size:
     """Broadcast batch shapes with an error that names the operands."""
+    if len(shapes) == 2 and not shapes[0] and not shapes[1]:  # unbatched: the common case
+        return _NO_BATCH
     nonempty = [s for s in shapes if len(s)]
     if not nonempty or all(s == nonempty[0] for s in nonempty):  # common cases, without torch's Python
         return torch.Size(nonempty[0] if nonempty else ())

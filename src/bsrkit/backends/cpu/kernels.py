@@ -140,7 +140,9 @@ def _bind(
     addresses = (provider.sgemm, provider.dgemm, provider.gemm_bf16, provider.gemm_f16,
                  provider.set_num_threads_local)  # fmt: skip
 
-    def run(*args: Any) -> None:
+    def prepare(*args: Any) -> list[Any]:
+        """The compiled kernel's full argument list (checked, normalised, addresses appended), for
+        :func:`run_prepared`; a caller may then replace data addresses in a copy and run it again."""
         if len(args) != nargs:
             raise TypeError(f"{name}(): expected {nargs} arguments, got {len(args)}")
         if args[0] not in kinds:
@@ -154,11 +156,19 @@ def _bind(
             if not args[i].flags.c_contiguous:
                 args_list[i] = np.ascontiguousarray(args[i])
         extra = () if limit_calls is None else limit_calls(args_list, provider.single_thread_mnk)
+        return [*args_list, *addresses, *extra]
+
+    def run_prepared(full_args: list[Any]) -> None:
         # One thread, or a forked child (GNU OpenMP cannot run there): the serial twin, no parallel region.
-        kernel = serial if args[threads_at] == 1 or _forked else compiled
-        kernel(*args_list, *addresses, *extra)
+        kernel = serial if full_args[threads_at] == 1 or _forked else compiled
+        kernel(*full_args)
+
+    def run(*args: Any) -> None:
+        run_prepared(prepare(*args))
 
     run.__name__ = run.__qualname__ = name
+    run.prepare = prepare  # type: ignore[attr-defined]
+    run.run_prepared = run_prepared  # type: ignore[attr-defined]
     return run
 
 
