@@ -44,8 +44,14 @@ class Operand(NamedTuple):
         one."""
         M, K = bsr.shape[-2:]
         crow, col, values = bsr.crow_indices(), bsr.col_indices(), bsr.values()
+        seen = plans.pattern_by_wrapper(bsr, crow, col, values)  # this very tensor, unchanged since
+        if seen is not None:
+            return cls(crow, col, values, M, K, seen[0], 0, seen[1])
         # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).
-        return cls.parts(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)), op, name)
+        a = cls.parts(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)), op, name)
+        assert a.pattern is not None
+        plans.remember_wrapper(bsr, crow, col, values, a.source, a.pattern)
+        return a
 
     @classmethod
     def parts(
