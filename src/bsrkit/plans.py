@@ -142,7 +142,12 @@ def pattern_by_wrapper(
 
 
 def remember_wrapper(
-    bsr: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, source: Any, pattern: Pattern
+    bsr: torch.Tensor,
+    crow: torch.Tensor,
+    col: torch.Tensor,
+    values: torch.Tensor,
+    source: Any,
+    pattern: Pattern,
 ) -> None:
     """Remember ``bsr``'s validated ``(source, pattern)`` for :func:`pattern_by_wrapper`."""
     if crow.is_inference() or col.is_inference():
