@@ -293,3 +293,37 @@ class MemoryLifetimeModel(RuleBasedStateMachine):
 
 TestMemoryLifetimeModel = MemoryLifetimeModel.TestCase
 TestMemoryLifetimeModel.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+
+
+def test_verdict_by_wrapper_is_never_stale_and_dies_with_the_tensor(monkeypatch):
+    """The shortcut for a product with the same BSR tensor object as before: counted as a cache hit,
+    refused after an in-place index change or new index memory, and gone (by a C-function callback, no
+    Python code) when the tensor dies."""
+    import functools
+
+    from bsrkit import plans
+
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsrkit.cache_clear()
+    dense = torch.zeros(8, 8)
+    dense[:4, :4] = 1.0
+    bsr = dense.to_sparse_bsr((4, 4))
+    x = torch.randn(8, 3)
+    for _ in range(3):
+        assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x))
+    assert id(bsr) in plans._by_wrapper
+    assert isinstance(plans._by_wrapper[id(bsr)][0].__callback__, functools.partial)
+    info = bsrkit.cache_info()
+    assert (info.misses, info.hits) == (2, 2)  # verdict and CPU plan built once; two shortcut hits
+    bsr.col_indices()[0] = 1  # in place, through the tensor's own accessor
+    assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x))
+    other = torch.eye(8).to_sparse_bsr((4, 4))
+    bsr.resize_as_sparse_(other)  # new index tensors in the same wrapper
+    bsr.copy_(other)
+    assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x))
+    key = id(bsr)
+    del bsr
+    assert key not in plans._by_wrapper  # at once, by reference counting
+    bsrkit.bsr_dense_mm(other, x)
+    bsrkit.cache_clear()
+    assert not plans._by_wrapper
