@@ -48,6 +48,11 @@ _DEFAULT_PANEL = 256
 # costs ~0.1-0.2 ms per call (measured with the workqueue layer), about what 2**21 multiply-adds take.
 _SERIAL_WORK = 2**21
 
+# Up to this many columns bsr_dense_mm takes the vector loops (kernels.bsr_mm_small_kernel) instead of
+# a gemm per block: measured in docs/performance.md (benchmarks/decode.py). ``meta={"small_n": bool}``
+# forces either path (float32/float64; half types always take the gemm path).
+_SMALL_N_MAX = 16
+
 # numba's default (workqueue) threading layer must not be entered from two threads at once; the kernel
 # already uses every worker thread, so serialising calls costs little.
 _KERNEL_LOCK = threading.Lock()
@@ -199,6 +204,52 @@ def _needs_torch_scatter(blocks: torch.Tensor, others: torch.Tensor, accumulator
     return acc_storage in (blocks.untyped_storage().data_ptr(), others.untyped_storage().data_ptr())
 
 
+def _addmm_small(
+    a: Operand,
+    dense: torch.Tensor,
+    out: torch.Tensor,
+    batch: torch.Size,
+    alpha: float,
+    overwrite: bool,
+    nthreads: int,
+) -> None:
+    """``addmm`` on the vector loops for few columns (see :func:`kernels.bsr_mm_small_kernel`): dense is
+    copied (zero-padded) into the layout they read unless it has it already; blocks and out never are."""
+    values = a.values
+    N = dense.shape[-1]
+    Ms, Ks = values.shape[-2:]
+    K = dense.shape[-2]
+    lanes = 8 if out.dtype == torch.float32 else 4
+    # Dot products along k for one column (or up to four, when that is under a vector's width).
+    dot = (N == 1 or lanes // 2 >= N) and Ks % lanes == 0 and (values.stride(-1) == 1 or Ks == 1)
+    if dot:
+        width = 1 if N == 1 else 4
+        x = dense.mT  # (.., Wp, K) rows contiguous along k
+        if not (width == N and (x.stride(-1) == 1 or K == 1)):
+            x = dense.new_zeros((*dense.shape[:-2], width, K))
+            x[..., :N, :].copy_(dense.mT)
+        x_ld = x.stride(-2) if width > 1 else K
+    else:
+        width = -(-N // lanes) * lanes
+        x = dense  # (.., K, Wp) rows contiguous along the columns
+        if not (width == N and x.stride(-1) == 1):
+            x = dense.new_zeros((*dense.shape[:-2], K, width))
+            x[..., :N].copy_(dense)
+        x_ld = x.stride(-2)
+    plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols)
+    if math.prod(batch) * a.nnz * Ms * Ks * max(N, 4) < _SERIAL_WORK:
+        nthreads = 1
+    args = (
+        _KINDS[out.dtype], plan.crow, plan.col, plan.cost, _bsr_batch_of(a.batch, batch), nthreads,
+        _base_address(values), _batch_offsets(values, values.ndim - 3, a.batch),
+        values.stride(-3), values.stride(-2), values.stride(-1),
+        _base_address(x), _batch_offsets(x, x.ndim - 2, batch), x_ld, dot,
+        _base_address(out), _batch_offsets(out, out.ndim - 2, batch), out.stride(-2), out.stride(-1),
+        Ms, Ks, N, width, alpha, overwrite,
+    )  # fmt: skip
+    _run(kernels.bsr_mm_small_kernel(), nthreads, *args)
+
+
 class CpuBackend:
     """Compiled numba loops calling the BLAS gemm that torch links (MKL), one gemm per (block, panel)."""
 
@@ -207,6 +258,7 @@ class CpuBackend:
     param_schema: ClassVar[Mapping[str, ParamSpec]] = {
         "panel": int_at_least_one,
         "nthreads": int_at_least_one,
+        "small_n": ParamSpec(lambda v: isinstance(v, bool), "a bool"),
     }
     tune_flag = ""
     auto_devices: ClassVar[frozenset[str] | None] = frozenset({"cpu"})
@@ -251,8 +303,11 @@ class CpuBackend:
         overwrite: bool,
         params: dict[str, Any],
     ) -> None:
-        kernel = kernels.bsr_mm_kernel()
         N = dense.shape[-1]
+        if out.dtype in (torch.float32, torch.float64) and params.get("small_n", N <= _SMALL_N_MAX):
+            _addmm_small(a, dense, out, batch, alpha, overwrite, params["nthreads"])
+            return
+        kernel = kernels.bsr_mm_kernel()
         Ms, Ks = a.values.shape[-2:]
         plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols)
         values, a_rowmajor, lda = _blas_operand(a.values)
