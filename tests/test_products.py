@@ -303,19 +303,20 @@ def test_bsr_made_in_inference_mode(backend):
     assert_close(got, ref, k=24)
 
 
-def test_repeated_calls_follow_new_data(monkeypatch):
+@pytest.mark.parametrize("N", [1, 8, 40])  # the vector loops (N <= 16) and the gemm loop
+def test_repeated_calls_follow_new_data(monkeypatch, N):
     """The CPU backend reuses a call's marshaled arguments for calls of the same layouts: every repeat
     must still read the current values, dense and out (new tensors, views at other offsets, in-place
     changes), and more layouts than it keeps per plan must stay correct."""
     monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
     bsr = random_bsr((32, 48), (8, 16), 0.5, empty_rows=(1,))
     crow, col = bsr.crow_indices(), bsr.col_indices()
-    big = torch.randn(3, 48, 10)
+    big = torch.randn(3, 48, N)
     for step in range(3):
         values = torch.randn_like(bsr.values())  # a rebuilt weight: same pattern, new values memory
         weight = torch.sparse_bsr_tensor(crow, col, values, size=bsr.shape)
-        for dense in (torch.randn(48, 10), big[step], big[(step + 1) % 3]):  # new memory, other offsets
-            out = torch.full((32, 10), float("nan"))
+        for dense in (torch.randn(48, N), big[step], big[(step + 1) % 3]):  # new memory, other offsets
+            out = torch.full((32, N), float("nan"))
             bsrkit.bsr_dense_mm(weight, dense, out=out)
             assert_close(out, reference.bsr_dense_mm(weight, dense), k=48)
         values.mul_(-2)  # in place: the next product reads it

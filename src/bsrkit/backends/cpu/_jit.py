@@ -1,5 +1,5 @@
-# mypy: disable-error-code="call-arg"
-# (mypy reads intrinsics as taking their typing context too.)
+# mypy: disable-error-code="call-arg,var-annotated"
+# (mypy reads intrinsics as taking their typing context too, and cannot type what they return.)
 """The CPU backend's compiled loops (numba), cached on disk so that only a machine's first process compiles.
 
 Imported by :mod:`bsrkit.backends.cpu.kernels` at the first CPU product, never by ``import bsrkit``.
@@ -44,7 +44,7 @@ from numba import types
 from numba.core import errors
 from numba.core.caching import FunctionCache
 from numba.core.runtime import rtsys
-from numba.extending import intrinsic
+from numba.extending import intrinsic, models, register_model
 
 # The same values as kernels.KIND_* (a test checks); repeated here so the cache's source hash covers them.
 KIND_F32, KIND_F64, KIND_BF16, KIND_F16 = 0, 1, 2, 3
@@ -314,6 +314,418 @@ def bsr_mm(
             _set_threads_local(set_threads, p_int + 28)
 
 
+# -- bsr @ dense for few columns (N <= 16): vector loops, no BLAS call ---------------------------------
+#
+# numba has no SIMD type, so :class:`_Vec` is one: an LLVM vector of 32 bytes (8 float32 or 4 float64; on
+# narrower or wider hardware LLVM splits or packs it), held in registers like any scalar local. The loops
+# below use only the intrinsics that follow (load, splat, multiply-add, lane, horizontal sum), so the
+# order of every sum is the one written: no fast-math flags (NaN and inf behave as in IEEE arithmetic).
+
+
+class _Vec(types.Type):
+    def __init__(self, dtype: Any) -> None:
+        self.dtype = dtype
+        self.lanes = 32 // (dtype.bitwidth // 8)
+        super().__init__(name=f"vec{self.lanes}x{dtype}")
+
+
+@register_model(_Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        scalar = dmm.lookup(fe_type.dtype).get_value_type()
+        super().__init__(dmm, fe_type, ir.VectorType(scalar, fe_type.lanes))
+
+
+def _float_pointer(t: Any) -> Any:
+    if not (isinstance(t, types.CPointer) and isinstance(t.dtype, types.Float)):
+        raise errors.TypingError(f"vector op: expected a float pointer, got {t}")
+    return t.dtype
+
+
+@intrinsic
+def _typed_pointer(typingctx, address, zero):
+    """``address`` (int64) as a pointer to elements of ``zero``'s float type."""
+    _check_scalars((address, zero))
+    if not isinstance(zero, types.Float):
+        raise errors.TypingError(f"_typed_pointer: expected a float, got {zero}")
+
+    def codegen(context, builder, signature, llargs):
+        ptr = context.get_value_type(signature.return_type)
+        return builder.inttoptr(context.cast(builder, llargs[0], signature.args[0], types.int64), ptr)
+
+    return types.CPointer(zero)(address, zero), codegen
+
+
+@intrinsic
+def _vload(typingctx, p, offset):
+    """The vector of elements ``p[offset], p[offset + 1], ...`` (no alignment assumed)."""
+    vec = _Vec(_float_pointer(p))
+
+    def codegen(context, builder, signature, llargs):
+        where = builder.gep(llargs[0], [context.cast(builder, llargs[1], signature.args[1], types.intp)])
+        vty = context.get_value_type(signature.return_type)
+        loaded = builder.load(builder.bitcast(where, vty.as_pointer()), align=vec.dtype.bitwidth // 8)
+        return loaded
+
+    return vec(p, offset), codegen
+
+
+@intrinsic
+def _vsplat(typingctx, x):
+    """The vector with ``x`` in every lane."""
+    if not isinstance(x, types.Float):
+        raise errors.TypingError(f"_vsplat: expected a float, got {x}")
+    vec = _Vec(x)
+
+    def codegen(context, builder, signature, llargs):
+        vty = context.get_value_type(signature.return_type)
+        one = builder.insert_element(ir.Constant(vty, ir.Undefined), llargs[0], _I32(0))
+        return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, vec.lanes), [0] * vec.lanes))
+
+    return vec(x), codegen
+
+
+@intrinsic
+def _vzero(typingctx, zero):
+    """The vector of zeros of ``zero``'s float type."""
+    if not isinstance(zero, types.Float):
+        raise errors.TypingError(f"_vzero: expected a float, got {zero}")
+    vec = _Vec(zero)
+
+    def codegen(context, builder, signature, llargs):
+        vty = context.get_value_type(signature.return_type)
+        return ir.Constant(vty, [ir.Constant(vty.element, 0.0)] * vec.lanes)
+
+    return vec(zero), codegen
+
+
+@intrinsic
+def _vfma(typingctx, a, b, c):
+    """``a * b + c`` lane by lane (``llvm.fmuladd``: one fused instruction where the CPU has one)."""
+    if not (isinstance(a, _Vec) and a == b == c):
+        raise errors.TypingError(f"_vfma: expected three vectors of one type, got {a}, {b}, {c}")
+
+    def codegen(context, builder, signature, llargs):
+        vty = context.get_value_type(signature.return_type)
+        suffix = f"v{vty.count}f{a.dtype.bitwidth}"
+        fn = builder.module.declare_intrinsic(f"llvm.fmuladd.{suffix}", fnty=ir.FunctionType(vty, [vty] * 3))
+        return builder.call(fn, llargs)
+
+    return a(a, b, c), codegen
+
+
+@intrinsic
+def _vlane(typingctx, v, j):
+    """Lane ``j`` of ``v``."""
+    if not isinstance(v, _Vec):
+        raise errors.TypingError(f"_vlane: expected a vector, got {v}")
+
+    def codegen(context, builder, signature, llargs):
+        return builder.extract_element(
+            llargs[0], context.cast(builder, llargs[1], signature.args[1], types.int32)
+        )
+
+    return v.dtype(v, j), codegen
+
+
+@intrinsic
+def _vsum(typingctx, v):
+    """The sum of ``v``'s lanes, in lane order."""
+    if not isinstance(v, _Vec):
+        raise errors.TypingError(f"_vsum: expected a vector, got {v}")
+
+    def codegen(context, builder, signature, llargs):
+        s = builder.extract_element(llargs[0], _I32(0))
+        for j in range(1, v.lanes):
+            s = builder.fadd(s, builder.extract_element(llargs[0], _I32(j)))
+        return s
+
+    return v.dtype(v), codegen
+
+
+@intrinsic
+def _vstore(typingctx, p, offset, v):
+    """``p[offset], p[offset + 1], ... = v`` (no alignment assumed)."""
+    if not (isinstance(v, _Vec) and _float_pointer(p) == v.dtype):
+        raise errors.TypingError(f"_vstore: expected a vector of {p}'s type, got {v}")
+
+    def codegen(context, builder, signature, llargs):
+        where = builder.gep(llargs[0], [context.cast(builder, llargs[1], signature.args[1], types.intp)])
+        builder.store(
+            llargs[2], builder.bitcast(where, llargs[2].type.as_pointer()), align=v.dtype.bitwidth // 8
+        )
+        return context.get_dummy_value()
+
+    return types.void(p, offset, v), codegen
+
+
+# Each helper computes one block row of one batch. A: the block values (element a0 + g * a_gs + i * a_rs
+# + k * a_cs of block g); X: the dense columns, copied (zero-padded) into the layout the helper reads; C:
+# the output tile (element c0 + i * c_rs + j * c_cs), written (overwrite) or added to, times alpha.
+
+
+@numba.njit(nogil=True, cache=False)
+def _store(C, cp, alpha, overwrite, s):
+    if overwrite:
+        C[cp] = alpha * s
+    else:
+        C[cp] += alpha * s
+
+
+@numba.njit(nogil=True, cache=False)
+def _zero_row(C, c0, c_rs, c_cs, Ms, N, zero):
+    for i in range(Ms):
+        for j in range(N):
+            C[c0 + i * c_rs + j * c_cs] = zero
+
+
+@numba.njit(nogil=True, cache=False)
+def _dot_row(A, a0, a_gs, a_rs, X, x0, x_ld, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N, Wp, L, alpha,
+             overwrite, V, zero):  # fmt: skip
+    """Wp = 1 or 4 columns of X (column j at ``x0 + j * x_ld``, contiguous along k): dot products along k
+    of the blocks' rows (``a_cs == 1``, Ks a multiple of the L lanes) with X's columns, kept as vector
+    partial sums in ``V`` (Ms * Wp vectors) over the row's blocks, summed across lanes at the end."""
+    vz = _vzero(zero)
+    for e in range(0, Ms * Wp * L, L):
+        _vstore(V, e, vz)
+    for g in range(g0, g1):
+        ab = a0 + g * a_gs
+        xb = x0 + cols[g] * Ks
+        if Wp == 1:
+            i = 0
+            while i + 4 <= Ms:  # four rows at once: four independent sums
+                r = ab + i * a_rs
+                p0 = _vload(V, i * L)
+                p1 = _vload(V, (i + 1) * L)
+                p2 = _vload(V, (i + 2) * L)
+                p3 = _vload(V, (i + 3) * L)
+                for k in range(0, Ks, L):
+                    x = _vload(X, xb + k)
+                    p0 = _vfma(_vload(A, r + k), x, p0)
+                    p1 = _vfma(_vload(A, r + a_rs + k), x, p1)
+                    p2 = _vfma(_vload(A, r + 2 * a_rs + k), x, p2)
+                    p3 = _vfma(_vload(A, r + 3 * a_rs + k), x, p3)
+                _vstore(V, i * L, p0)
+                _vstore(V, (i + 1) * L, p1)
+                _vstore(V, (i + 2) * L, p2)
+                _vstore(V, (i + 3) * L, p3)
+                i += 4
+            while i < Ms:
+                r = ab + i * a_rs
+                p0 = _vload(V, i * L)
+                for k in range(0, Ks, L):
+                    p0 = _vfma(_vload(A, r + k), _vload(X, xb + k), p0)
+                _vstore(V, i * L, p0)
+                i += 1
+        else:
+            for i in range(Ms):
+                r = ab + i * a_rs
+                v = i * 4 * L
+                p0 = _vload(V, v)
+                p1 = _vload(V, v + L)
+                p2 = _vload(V, v + 2 * L)
+                p3 = _vload(V, v + 3 * L)
+                for k in range(0, Ks, L):
+                    a = _vload(A, r + k)
+                    p0 = _vfma(a, _vload(X, xb + k), p0)
+                    p1 = _vfma(a, _vload(X, xb + x_ld + k), p1)
+                    p2 = _vfma(a, _vload(X, xb + 2 * x_ld + k), p2)
+                    p3 = _vfma(a, _vload(X, xb + 3 * x_ld + k), p3)
+                _vstore(V, v, p0)
+                _vstore(V, v + L, p1)
+                _vstore(V, v + 2 * L, p2)
+                _vstore(V, v + 3 * L, p3)
+    for i in range(Ms):
+        for j in range(N):
+            _store(C, c0 + i * c_rs + j * c_cs, alpha, overwrite, _vsum(_vload(V, (i * Wp + j) * L)))
+
+
+@intrinsic
+def _vwidth(typingctx, v):
+    """The number of lanes of ``v`` (a constant)."""
+    if not isinstance(v, _Vec):
+        raise errors.TypingError(f"_vwidth: expected a vector, got {v}")
+
+    def codegen(context, builder, signature, llargs):
+        return context.get_constant(types.intp, v.lanes)
+
+    return types.intp(v), codegen
+
+
+@intrinsic
+def _vmul(typingctx, a, b):
+    """``a * b`` lane by lane."""
+    if not (isinstance(a, _Vec) and a == b):
+        raise errors.TypingError(f"_vmul: expected two vectors of one type, got {a}, {b}")
+
+    def codegen(context, builder, signature, llargs):
+        return builder.fmul(*llargs)
+
+    return a(a, b), codegen
+
+
+@numba.njit(nogil=True, cache=False)
+def _store_lanes(C, cp, c_cs, n, alpha, overwrite, v):
+    """The first ``n`` lanes of ``alpha * v`` into (or added to) ``C[cp + j * c_cs]``."""
+    if n == _vwidth(v) and c_cs == 1:  # a whole vector into a contiguous row: one store
+        a = _vsplat(alpha)
+        _vstore(C, cp, _vmul(a, v) if overwrite else _vfma(a, v, _vload(C, cp)))
+        return
+    for j in range(n):
+        _store(C, cp + j * c_cs, alpha, overwrite, _vlane(v, j))
+
+
+@numba.njit(nogil=True, cache=False)
+def _axpy_row(A, a0, a_gs, a_rs, a_cs, X, x0, x_ld, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N, Wp, L,
+              alpha, overwrite, V, zero):  # fmt: skip
+    """X is (K, Wp) (row k at ``x0 + k * x_ld``, contiguous along its Wp columns, Wp a multiple of L):
+    ``acc[i, :] += A[i, k] * X[k, :]`` with one element of A broadcast to all lanes. Block by block (A
+    is read in order, the block's rows of X stay in cache), four output rows times 2L (else L) columns
+    at a time in registers; the row's sums in ``V`` (Ms * Wp elements) between blocks."""
+    vz = _vzero(zero)
+    for e in range(0, Ms * Wp, L):
+        _vstore(V, e, vz)
+    for g in range(g0, g1):
+        ab = a0 + g * a_gs
+        xb = x0 + cols[g] * Ks * x_ld
+        j0 = 0
+        while j0 < Wp:
+            two = j0 + 2 * L <= Wp
+            i = 0
+            while i + 4 <= Ms:
+                v = i * Wp + j0
+                r = ab + i * a_rs
+                if two:
+                    c00 = _vload(V, v)
+                    c01 = _vload(V, v + L)
+                    c10 = _vload(V, v + Wp)
+                    c11 = _vload(V, v + Wp + L)
+                    c20 = _vload(V, v + 2 * Wp)
+                    c21 = _vload(V, v + 2 * Wp + L)
+                    c30 = _vload(V, v + 3 * Wp)
+                    c31 = _vload(V, v + 3 * Wp + L)
+                    for k in range(Ks):
+                        xk = xb + k * x_ld + j0
+                        x0v = _vload(X, xk)
+                        x1v = _vload(X, xk + L)
+                        ak = r + k * a_cs
+                        a = _vsplat(A[ak])
+                        c00 = _vfma(a, x0v, c00)
+                        c01 = _vfma(a, x1v, c01)
+                        a = _vsplat(A[ak + a_rs])
+                        c10 = _vfma(a, x0v, c10)
+                        c11 = _vfma(a, x1v, c11)
+                        a = _vsplat(A[ak + 2 * a_rs])
+                        c20 = _vfma(a, x0v, c20)
+                        c21 = _vfma(a, x1v, c21)
+                        a = _vsplat(A[ak + 3 * a_rs])
+                        c30 = _vfma(a, x0v, c30)
+                        c31 = _vfma(a, x1v, c31)
+                    _vstore(V, v, c00)
+                    _vstore(V, v + L, c01)
+                    _vstore(V, v + Wp, c10)
+                    _vstore(V, v + Wp + L, c11)
+                    _vstore(V, v + 2 * Wp, c20)
+                    _vstore(V, v + 2 * Wp + L, c21)
+                    _vstore(V, v + 3 * Wp, c30)
+                    _vstore(V, v + 3 * Wp + L, c31)
+                else:
+                    c00 = _vload(V, v)
+                    c10 = _vload(V, v + Wp)
+                    c20 = _vload(V, v + 2 * Wp)
+                    c30 = _vload(V, v + 3 * Wp)
+                    for k in range(Ks):
+                        x0v = _vload(X, xb + k * x_ld + j0)
+                        ak = r + k * a_cs
+                        c00 = _vfma(_vsplat(A[ak]), x0v, c00)
+                        c10 = _vfma(_vsplat(A[ak + a_rs]), x0v, c10)
+                        c20 = _vfma(_vsplat(A[ak + 2 * a_rs]), x0v, c20)
+                        c30 = _vfma(_vsplat(A[ak + 3 * a_rs]), x0v, c30)
+                    _vstore(V, v, c00)
+                    _vstore(V, v + Wp, c10)
+                    _vstore(V, v + 2 * Wp, c20)
+                    _vstore(V, v + 3 * Wp, c30)
+                i += 4
+            while i < Ms:  # the last Ms % 4 rows, one at a time
+                v = i * Wp + j0
+                r = ab + i * a_rs
+                c00 = _vload(V, v)
+                for k in range(Ks):
+                    c00 = _vfma(_vsplat(A[r + k * a_cs]), _vload(X, xb + k * x_ld + j0), c00)
+                _vstore(V, v, c00)
+                if two:
+                    c01 = _vload(V, v + L)
+                    for k in range(Ks):
+                        c01 = _vfma(_vsplat(A[r + k * a_cs]), _vload(X, xb + k * x_ld + j0 + L), c01)
+                    _vstore(V, v + L, c01)
+                i += 1
+            j0 += 2 * L if two else L
+    for i in range(Ms):
+        for j0 in range(0, N, L):
+            n = min(L, N - j0)  # (padded columns are computed, never stored)
+            _store_lanes(C, c0 + i * c_rs + j0 * c_cs, c_cs, n, alpha, overwrite, _vload(V, i * Wp + j0))
+
+
+@numba.njit(nogil=True, cache=False)
+def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows,
+               a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
+               c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite):  # fmt: skip
+    """Worker ``t``'s run of (batch, block row) tasks, in the float type of ``zero`` (L lanes)."""
+    A = _typed_pointer(a_addr, zero)
+    X = _typed_pointer(x_addr, zero)
+    C = _typed_pointer(c_addr, zero)
+    scratch = np.full(max(Ms * max(4 * L, Wp), 1), zero)  # the row's partial sums
+    V = _typed_pointer(scratch.ctypes.data, zero)
+    b, i = task_bound(t, nthreads, bstart, cum, bsr_of, rows, rows)
+    b_end, i_end = task_bound(t + 1, nthreads, bstart, cum, bsr_of, rows, rows)
+    while b < b_end or (b == b_end and i < i_end):
+        bb = bsr_of[b]
+        g0 = crow[bb, i]
+        g1 = crow[bb, i + 1]
+        c0 = c_boff[b] + i * Ms * c_rs
+        if g0 == g1:
+            if overwrite:
+                _zero_row(C, c0, c_rs, c_cs, Ms, N, zero)
+        elif dot:
+            _dot_row(A, a_boff[bb], a_gs, a_rs, X, x_boff[b], x_ld, col[bb], g0, g1, C, c0, c_rs, c_cs,
+                     Ms, Ks, N, Wp, L, alpha, overwrite, V, zero)  # fmt: skip
+        else:
+            _axpy_row(A, a_boff[bb], a_gs, a_rs, a_cs, X, x_boff[b], x_ld, col[bb], g0, g1, C, c0, c_rs,
+                      c_cs, Ms, Ks, N, Wp, L, alpha, overwrite, V, zero)  # fmt: skip
+        i += 1
+        if i == rows:
+            b += 1
+            i = 0
+
+
+@_njit(parallel=True, nogil=True)
+def bsr_mm_small(
+    kind, crow, col, cum, bsr_of, nthreads,
+    a_addr, a_boff, a_gs, a_rs, a_cs,
+    x_addr, x_boff, x_ld, dot,
+    c_addr, c_boff, c_rs, c_cs,
+    Ms, Ks, N, Wp, alpha, overwrite,
+):  # fmt: skip
+    """See :func:`bsrkit.backends.cpu.kernels.bsr_mm_small_kernel`: float32 (kind 0) or float64 (1)."""
+    nbatch = bsr_of.shape[0]
+    rows = crow.shape[1] - 1
+    if rows == 0:
+        return
+    bstart = np.empty(nbatch + 1, np.float64)  # cost before each batch's first task
+    bstart[0] = 0.0
+    for b in range(nbatch):
+        bstart[b + 1] = bstart[b] + cum[bsr_of[b], rows]
+    for t in numba.prange(nthreads):
+        if kind == KIND_F64:
+            _small_run(np.float64(0), 4, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows,
+                       a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
+                       c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite)  # fmt: skip
+        else:
+            _small_run(np.float32(0), 8, np.float32(alpha), t, nthreads, bstart, crow, col, cum, bsr_of,
+                       rows, a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
+                       c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite)  # fmt: skip
+
+
 # -- sampled: C[b, g] = alpha * A[b, rows[g]] @ B[b, :, cols[g]] ----------------------------------------
 
 
@@ -519,6 +931,7 @@ def _serial(parallel: Any, name: str) -> Any:
 
 
 bsr_mm_serial = _serial(bsr_mm, "bsr_mm_serial")
+bsr_mm_small_serial = _serial(bsr_mm_small, "bsr_mm_small_serial")
 sampled_serial = _serial(sampled, "sampled_serial")
 scatter_mm_serial = _serial(scatter_mm, "scatter_mm_serial")
 
@@ -526,6 +939,8 @@ DISPATCHERS = {
     "bsr_mm": bsr_mm,
     "sampled": sampled,
     "bsr_mm_serial": bsr_mm_serial,
+    "bsr_mm_small": bsr_mm_small,
+    "bsr_mm_small_serial": bsr_mm_small_serial,
     "sampled_serial": sampled_serial,
     "scatter_mm": scatter_mm,
     "scatter_mm_serial": scatter_mm_serial,

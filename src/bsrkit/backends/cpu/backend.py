@@ -48,6 +48,11 @@ _DEFAULT_PANEL = 256
 # costs ~0.1-0.2 ms per call (measured with the workqueue layer), about what 2**21 multiply-adds take.
 _SERIAL_WORK = 2**21
 
+# Up to this many columns bsr_dense_mm takes the vector loops (kernels.bsr_mm_small_kernel) instead of
+# a gemm per block: measured in docs/performance.md (benchmarks/decode.py). ``meta={"small_n": bool}``
+# forces either path (float32/float64; half types always take the gemm path).
+_SMALL_N_MAX = 16
+
 # numba's default (workqueue) threading layer must not be entered from two threads at once; the kernel
 # already uses every worker thread, so serialising calls costs little.
 _KERNEL_LOCK = threading.Lock()
@@ -202,6 +207,77 @@ def _needs_torch_scatter(blocks: torch.Tensor, others: torch.Tensor, accumulator
     return acc_storage in (blocks.untyped_storage().data_ptr(), others.untyped_storage().data_ptr())
 
 
+def _addmm_small(
+    a: Operand,
+    dense: torch.Tensor,
+    out: torch.Tensor,
+    batch: torch.Size,
+    alpha: float,
+    overwrite: bool,
+    nthreads: int,
+) -> None:
+    """``addmm`` on the vector loops for few columns (see :func:`kernels.bsr_mm_small_kernel`): dense is
+    copied (zero-padded) into the layout they read unless it has it already; blocks and out never are."""
+    values = a.values
+    kernel = kernels.bsr_mm_small_kernel()
+    plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
+    signature = (
+        "small", values.shape, values.stride(), values.storage_offset(),
+        dense.shape, dense.stride(), dense.storage_offset(),
+        out.shape, out.stride(), out.storage_offset(), out.dtype, batch, alpha, overwrite, nthreads,
+    )  # fmt: skip
+    prepared = plan.calls.get(signature)
+    if prepared is not None:  # as in CpuBackend.addmm: only the data addresses change
+        full_args, values_at, dense_at, out_at = prepared
+        full_args = full_args.copy()
+        full_args[6] = values.data_ptr() - values_at
+        full_args[11] = dense.data_ptr() - dense_at
+        full_args[15] = out.data_ptr() - out_at
+        _run(kernel.run_prepared, full_args[5], full_args)
+        return
+    N = dense.shape[-1]
+    Ms, Ks = values.shape[-2:]
+    K = dense.shape[-2]
+    lanes = 8 if out.dtype == torch.float32 else 4
+    # Dot products along k for one column (or up to four, when that is under a vector's width).
+    dot = (N == 1 or lanes // 2 >= N) and Ks % lanes == 0 and (values.stride(-1) == 1 or Ks == 1)
+    if dot:
+        width = 1 if N == 1 else 4
+        x = dense.mT  # (.., Wp, K) rows contiguous along k
+        if not (width == N and (x.stride(-1) == 1 or K == 1)):
+            x = dense.new_zeros((*dense.shape[:-2], width, K))
+            x[..., :N, :].copy_(dense.mT)
+        x_ld = x.stride(-2) if width > 1 else K
+    else:
+        width = -(-N // lanes) * lanes
+        x = dense  # (.., K, Wp) rows contiguous along the columns
+        if not (width == N and x.stride(-1) == 1):
+            x = dense.new_zeros((*dense.shape[:-2], K, width))
+            x[..., :N].copy_(dense)
+        x_ld = x.stride(-2)
+    if math.prod(batch) * a.nnz * Ms * Ks * max(N, 4) < _SERIAL_WORK:
+        nthreads = 1
+    args = (
+        _KINDS[out.dtype], plan.crow, plan.col, plan.cost, _bsr_batch_of(a.batch, batch), nthreads,
+        _base_address(values), _batch_offsets(values, values.ndim - 3, a.batch),
+        values.stride(-3), values.stride(-2), values.stride(-1),
+        _base_address(x), _batch_offsets(x, x.ndim - 2, batch), x_ld, dot,
+        _base_address(out), _batch_offsets(out, out.ndim - 2, batch), out.stride(-2), out.stride(-1),
+        Ms, Ks, N, width, alpha, overwrite,
+    )  # fmt: skip
+    full_args = kernel.prepare(*args)
+    if x.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr():  # (dense was not copied)
+        if len(plan.calls) >= _PREPARED_CALLS:
+            plan.calls.clear()
+        plan.calls[signature] = (
+            full_args,
+            values.storage_offset() * values.element_size(),
+            dense.data_ptr() - full_args[11],  # x's base address relative to dense's data
+            out.storage_offset() * out.element_size(),
+        )
+    _run(kernel.run_prepared, nthreads, full_args)
+
+
 class CpuBackend:
     """Compiled numba loops calling the BLAS gemm that torch links (MKL), one gemm per (block, panel)."""
 
@@ -210,6 +286,7 @@ class CpuBackend:
     param_schema: ClassVar[Mapping[str, ParamSpec]] = {
         "panel": int_at_least_one,
         "nthreads": int_at_least_one,
+        "small_n": ParamSpec(lambda v: isinstance(v, bool), "a bool"),
     }
     tune_flag = ""
     auto_devices: ClassVar[frozenset[str] | None] = frozenset({"cpu"})
@@ -254,6 +331,10 @@ class CpuBackend:
         overwrite: bool,
         params: dict[str, Any],
     ) -> None:
+        N = dense.shape[-1]
+        if out.dtype in (torch.float32, torch.float64) and params.get("small_n", N <= _SMALL_N_MAX):
+            _addmm_small(a, dense, out, batch, alpha, overwrite, params["nthreads"])
+            return
         kernel = kernels.bsr_mm_kernel()
         plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
         # A call like an earlier one (same layouts, scalars, parameters) reuses its marshaled arguments,
@@ -274,7 +355,6 @@ class CpuBackend:
             full_args[17] = out.data_ptr() - out_at
             _run(kernel.run_prepared, full_args[5], full_args)
             return
-        N = dense.shape[-1]
         Ms, Ks = values.shape[-2:]
         values, a_rowmajor, lda = _blas_operand(values)
         original_dense = dense
@@ -440,7 +520,7 @@ class CpuBackend:
             bias4 = bias.to(compute).contiguous().reshape(-1, nnz, Ms, Ns)
             bias_of = _bsr_batch_of(bias.shape[:-3], batch)
         out = torch.empty_like(x4)
-        crow = plans.cpu_mm_plan(a.source).crow
+        crow = plans.cpu_mm_plan(a.source, 0, a.pattern).crow
         nthreads = max(1, torch.get_num_threads())
         _run(
             kernel, nthreads,
@@ -458,7 +538,7 @@ class CpuBackend:
         y4 = y.to(compute).contiguous().reshape(-1, nnz, Ms, Ns)
         g4 = grad.to(compute).expand(y.shape).contiguous().reshape(y4.shape)
         out = torch.empty_like(y4)
-        crow = plans.cpu_mm_plan(a.source).crow
+        crow = plans.cpu_mm_plan(a.source, 0, a.pattern).crow
         nthreads = max(1, torch.get_num_threads())
         _run(kernel, nthreads, crow, y4.numpy(), g4.numpy(), out.numpy())
         return out.reshape(y.shape).to(y.dtype)
@@ -497,7 +577,7 @@ class CpuBackend:
         else:
             bias4 = bias.to(query.dtype).contiguous().reshape(-1, nnz, Ms, Ns)
             bias_of = _bsr_batch_of(bias.shape[:-3], batch)
-        plan = plans.cpu_mm_plan(a.source)
+        plan = plans.cpu_mm_plan(a.source, 0, a.pattern)
         nthreads = max(1, torch.get_num_threads())
         _run(
             kernel, nthreads,

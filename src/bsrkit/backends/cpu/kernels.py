@@ -42,6 +42,7 @@ __all__ = [
     "KIND_F64",
     "blas_layout",
     "bsr_mm_kernel",
+    "bsr_mm_small_kernel",
     "compile_cache_info",
     "sampled_kernel",
     "scatter_mm_kernel",
@@ -190,6 +191,42 @@ def bsr_mm_kernel() -> Any:  # Callable[..., None] | None
     return _bind(
         "bsr_mm_kernel", _jit.bsr_mm, _jit.bsr_mm_serial, 5, provider, 31, 27, arrays_at, limit_panel
     )
+
+
+@functools.cache
+def bsr_mm_small_kernel() -> Any:  # Callable[..., None] with .prepare and .run_prepared
+    """The kernel for ``out[b] (+)= alpha * bsr[b] @ dense[b]`` with few columns (float32/float64): vector
+    loops over each block row, no BLAS call (a gemm per block costs more to call than it computes there).
+
+    Same tasks and work split as :func:`bsr_mm_kernel` (one panel). ``dense`` arrives as ``X``, copied
+    zero-padded to ``Wp`` columns where its layout is not the one read: ``dot`` (``Wp`` 1 or 4, Ks a
+    multiple of the vector lanes, blocks with unit column stride) reads X as ``(Wp, K)`` rows, dot products
+    along k; otherwise X is ``(K, Wp)`` (``Wp`` a multiple of the lanes) and each element of a block is
+    broadcast against a row of X. ``x_ld`` is X's leading dimension; blocks and output are read and
+    written through any strides, the output only in its ``N`` columns.
+    """
+    import bsrkit.backends.cpu._jit as _jit
+
+    arrays_at = (1, 2, 3, 4, 7, 12, 16)
+
+    def prepare(*args: Any) -> list[Any]:
+        args_list = list(args)
+        args_list[23] = float(args[23])
+        for i in arrays_at:
+            if not args[i].flags.c_contiguous:
+                args_list[i] = np.ascontiguousarray(args[i])
+        return args_list
+
+    def run_prepared(full_args: list[Any]) -> None:
+        kernel = _jit.bsr_mm_small_serial if full_args[5] == 1 or _forked else _jit.bsr_mm_small
+        kernel(*full_args)
+
+    def run(*args: Any) -> None:
+        run_prepared(prepare(*args))
+
+    run.prepare = prepare  # type: ignore[attr-defined]
+    run.run_prepared = run_prepared  # type: ignore[attr-defined]
+    return run
 
 
 @functools.cache
