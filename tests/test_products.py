@@ -330,3 +330,44 @@ def test_repeated_calls_follow_new_data(monkeypatch, N):
             reference.bsr_dense_addmm(addend, bsr, dense, beta=0.5, alpha=2.0),
             k=48,
         )
+
+
+def test_a_remembered_verdict_lets_no_invalid_call_through(monkeypatch):
+    """Calls like an earlier valid one skip the argument checks (their verdict depends only on metadata);
+    whatever differs in a later call (memory, grad mode, forced backend, scalar values, the pattern) must
+    still be caught."""
+    from bsrkit import ops
+
+    bsr = random_bsr((32, 32), (8, 8), 0.5)
+    x = torch.randn(32, 6)
+    out = torch.empty(32, 6)
+    bsrkit.bsr_dense_mm(bsr, x, out=out)
+    assert any(sig[0] == "bsr_dense_mm" for sig in ops._valid_calls)
+    shared = torch.randn(32, 6)  # out and dense on one storage: data, not metadata
+    with pytest.raises(ValueError, match="share memory"):
+        bsrkit.bsr_dense_mm(bsr, shared, out=shared)
+    wants_grad = x.clone().requires_grad_()
+    with pytest.raises(ValueError, match="out=None"):
+        bsrkit.bsr_dense_mm(bsr, wants_grad, out=out)
+    monkeypatch.setenv("BSRKIT_BACKEND", "no-such-backend")
+    with pytest.raises(ValueError, match="BSRKIT_BACKEND"):
+        bsrkit.bsr_dense_mm(bsr, x, out=out)
+    monkeypatch.delenv("BSRKIT_BACKEND")
+    q = (torch.randn(32, 32) * 4).to(torch.int8).to_sparse_bsr((8, 8))
+    qx = torch.randint(-8, 8, (32, 6), dtype=torch.int8)
+    expected = q.to_dense().int() @ qx.int()
+    assert torch.equal(bsrkit.bsr_dense_addmm(torch.zeros(32, 6, dtype=torch.int32), q, qx), expected)
+    assert torch.equal(bsrkit.bsr_dense_mm(q, qx), expected)
+    with pytest.raises(ValueError, match="integer beta and alpha"):
+        ops.checked_addmm("bsr_dense_mm", None, q, qx, beta=0.0, alpha=0.5, out=None, meta=None)
+    broken = torch.sparse_bsr_tensor(
+        bsr.crow_indices(),
+        bsr.col_indices().clone().fill_(7),
+        bsr.values(),
+        size=bsr.shape,
+        check_invariants=False,
+    )  # the same metadata, a column out of range
+    with pytest.raises(ValueError, match="malformed"):
+        bsrkit.bsr_dense_mm(broken, x, out=out)
+    bsrkit.bsr_dense_mm(bsr, x, out=out)
+    assert_close(out, reference.bsr_dense_mm(bsr, x), k=32)

@@ -20,6 +20,7 @@ from bsrkit.operand import Operand
 __all__ = [
     "BACKEND_ENV",
     "addmm",
+    "forced_backend",
     "sampled",
     "scatter_mm",
     "select",
@@ -32,6 +33,11 @@ BACKEND_ENV = "BSRKIT_BACKEND"
 
 # (kernel, device type, dtype) -> backend, for calls without an override: the reasons are asked once.
 _chosen: dict[tuple[str, str, torch.dtype], Backend] = {}
+
+
+def forced_backend() -> str | None:
+    """``$BSRKIT_BACKEND`` (None or empty: no override)."""
+    return getenv(BACKEND_ENV)
 
 
 def select(op: str, kernel: str, device: torch.device, dtype: torch.dtype) -> Backend:

@@ -170,6 +170,83 @@ def checked_addmm(
     """Validate, then ``out = beta * input + left * (alpha * op(bsr) @ dense) * right`` with op =
     transpose or identity (``left``/``right``: row and column scales, or None). The entry for every
     public function of bsrkit that is this product under another name (errors name ``op``)."""
+    signature = None
+    if input is None and left is None and right is None and meta is None:
+        signature = _call_signature(op, transpose, bsr, dense, out, beta, alpha)
+    verdict = _valid_calls.get(signature) if signature is not None else None
+    if verdict is None:
+        verdict = _validate_addmm(op, input, bsr, dense, beta, alpha, out, meta, transpose, left, right)
+        if signature is not None:
+            if len(_valid_calls) >= _VALID_CALLS_MAX:
+                _valid_calls.clear()
+            _valid_calls[signature] = verdict
+    differentiable, backend, batch, out_shape, out_dtype, K = verdict
+    beta, alpha = float(beta), float(alpha)  # (checked real numbers; -0.0 and 0.0 share a verdict)
+    # The sparse operand, or None when nothing is stored (no plan is fetched for an empty product).
+    a = None
+    if math.prod(out_shape):
+        a = Operand.of(bsr, op)  # validates the pattern (once per pattern)
+        if not (K and a.nnz and alpha):
+            a = None
+        elif transpose:
+            a = a.transposed()
+    if differentiable:
+        return autograd.BsrDenseAddmm.apply(
+            op, backend, input, bsr, dense, left, right, a, batch, beta, alpha, meta
+        )
+    if out is None:
+        out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
+    elif (
+        out.numel()
+        and dense.numel()
+        and out.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr()
+    ):
+        # The kernels read dense while writing out: shared memory would give a silently wrong result.
+        raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
+    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
+
+
+# A call's verdict depends only on its metadata (types, layouts, dtypes, devices, shapes, scalars, grad
+# mode, the forced backend), not on data: a call like an earlier valid one (the common repeated product)
+# skips the checks. Only calls without input, scales and meta are remembered (their signature is cheap).
+_valid_calls: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+_VALID_CALLS_MAX = 1024
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    return (type(t), t.layout, t.dtype, t.device, t.shape, t.requires_grad)
+
+
+def _call_signature(
+    op: str, transpose: bool, bsr: Any, dense: Any, out: Any, beta: Any, alpha: Any
+) -> tuple[Any, ...] | None:
+    """What :func:`_validate_addmm`'s verdict depends on, or None for arguments it would reject anyway."""
+    if not (isinstance(bsr, torch.Tensor) and isinstance(dense, torch.Tensor)):
+        return None
+    if bsr.layout is not torch.sparse_bsr or not (out is None or isinstance(out, torch.Tensor)):
+        return None
+    return (
+        op, transpose, type(beta), beta, type(alpha), alpha, torch.is_grad_enabled(),
+        dispatch.forced_backend(), bsr.dense_dim(), *_tensor_signature(bsr), *_tensor_signature(dense),
+        None if out is None else _tensor_signature(out),
+    )  # fmt: skip
+
+
+def _validate_addmm(
+    op: str,
+    input: torch.Tensor | None,
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    beta: Any,
+    alpha: Any,
+    out: torch.Tensor | None,
+    meta: dict[str, Any] | None,
+    transpose: bool,
+    left: torch.Tensor | None,
+    right: torch.Tensor | None,
+) -> tuple[Any, ...]:
+    """Check every argument of :func:`checked_addmm` but the pattern (see :meth:`Operand.of`) and the
+    memory of ``out``; return ``(differentiable, backend, batch, out shape, out dtype, K)``."""
     differentiable = not transpose and _needs_grad(input, bsr, dense, left, right)
     if differentiable and out is not None:
         raise ValueError(
@@ -195,9 +272,7 @@ def checked_addmm(
         raise ValueError(f"{op}(): expected dense.shape[-2] == {K} ({where}), got {dense.shape[-2]}")
     batch = broadcast_batch(op, ("bsr", "dense"), (bsr.shape[:-2], dense.shape[:-2]))
     out_shape = (*batch, M, dense.shape[-1])
-    for name, scale, extent in () if left is None and right is None else (
-        ("left_alpha", left, M), ("right_alpha", right, dense.shape[-1])
-    ):  # fmt: skip
+    for name, scale, extent in (("left_alpha", left, M), ("right_alpha", right, dense.shape[-1])):
         if scale is None:
             continue
         check_strided(op, name, scale, min_ndim=1)
@@ -227,30 +302,9 @@ def checked_addmm(
                 f"{op}(): expected input.shape to broadcast to {out_shape}, got {tuple(input.shape)}"
             )
     check_meta(op, meta)
-    # The sparse operand, or None when nothing is stored (no plan is fetched for an empty product).
-    a = None
-    if math.prod(out_shape):
-        a = Operand.of(bsr, op)  # validates the pattern (once per pattern)
-        if not (K and a.nnz and alpha):
-            a = None
-        elif transpose:
-            a = a.transposed()
-    if differentiable:
-        return autograd.BsrDenseAddmm.apply(
-            op, backend, input, bsr, dense, left, right, a, batch, beta, alpha, meta
-        )
-    if out is None:
-        out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
-    else:
+    if out is not None:
         check_out(op, out, out_shape, out_dtype, dense.device)
-        if (
-            out.numel()
-            and dense.numel()
-            and out.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr()
-        ):
-            # The kernels read dense while writing out: shared memory would give a silently wrong result.
-            raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
-    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
+    return differentiable, backend, batch, out_shape, out_dtype, K
 
 
 # -- sampled dense-dense products (SDDMM) ------------------------------------------------------------
