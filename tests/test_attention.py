@@ -362,3 +362,16 @@ def test_builders_memory_is_o_nnz():
     assert mask._nnz() == 3 * 2**14 - 2
     local = bsrkit.block_local_mask(2**18, 16, neighbours=1, global_tokens=1)
     assert local._nnz() == 3 * 2**14 - 2 + 2 * (2**14 - 2)  # the band, the first row and column
+
+
+def test_fused_path_sees_changed_mask_values(fused_calls):
+    """The per-block bias of the fused loops is cached with the mask; writing to the mask's values
+    (a new version) is seen by the next call."""
+    mask = bsrkit.sliding_window_mask(16, 4, 4)
+    q, k, v = (t.detach() for t in _inputs((2, 16, 4), (2, 16, 4), (2, 16, 3)))
+    before = bsrkit.scaled_dot_product_attention(q, k, v, mask)
+    mask.values()[0] = False  # block (0, 0): nothing allowed now
+    after = bsrkit.scaled_dot_product_attention(q, k, v, mask)
+    assert fused_calls["forward"] == 2
+    torch.testing.assert_close(after, reference.scaled_dot_product_attention(q, k, v, mask))
+    assert not torch.allclose(before, after)

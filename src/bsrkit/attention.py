@@ -260,6 +260,15 @@ def block_bias(mask: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> Block
     return BlockBias(index.reshape(*values.shape[:-3], nnz), bias, values.shape[:-3])
 
 
+@weak_lru_cache(maxsize=64, maxbytes=2**28)
+def _cached_block_bias(
+    mask: torch.Tensor, values: torch.Tensor, is_causal: bool, dtype: torch.dtype
+) -> BlockBias:
+    """:func:`block_bias`, cached for as long as the mask's indices and values live; ``values`` (the
+    mask's) is in the key so that writing to them (a new version) is a miss."""
+    return block_bias(mask, is_causal, dtype)
+
+
 class _Saved(NamedTuple):
     """What the backward needs besides query, key, value: the fused path's output and log-sum-exp and
     the block bias, or the composed path's weights and dropout's kept set."""
@@ -287,7 +296,7 @@ def _forward(
     batch: torch.Size,
 ) -> tuple[torch.Tensor, _Saved]:
     if fused is not None:
-        bias = block_bias(mask, is_causal, compute)
+        bias = _cached_block_bias(mask, mask.values(), is_causal, compute)
         result = fused.attention_forward(a, query, key, value, bias, scale)
         if result is not None:
             return result[0], _Saved(True, result[0], result[1], bias, None, None)
