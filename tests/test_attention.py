@@ -375,3 +375,18 @@ def test_fused_path_sees_changed_mask_values(fused_calls):
     assert fused_calls["forward"] == 2
     torch.testing.assert_close(after, reference.scaled_dot_product_attention(q, k, v, mask))
     assert not torch.allclose(before, after)
+
+
+def test_fused_path_takes_strided_inputs_and_gradients(fused_calls):
+    """(batch, L, heads, E) layouts transposed to (batch, heads, L, E), and an expanded gradient."""
+    mask = bsrkit.sliding_window_mask(24, 5, 4)
+    base = _inputs((2, 24, 3, 8), (2, 24, 3, 8), (2, 24, 3, 4), seed=5)
+    q, k, v = (t.transpose(1, 2) for t in base)
+    out = bsrkit.scaled_dot_product_attention(q, k, v, mask, is_causal=True)
+    expected = reference.scaled_dot_product_attention(q, k, v, mask, is_causal=True)
+    torch.testing.assert_close(out, expected)
+    got = torch.autograd.grad(out.sum(), base)
+    want = torch.autograd.grad(expected.sum(), base)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert fused_calls == {"forward": 1, "backward": 1}

@@ -18,8 +18,16 @@ with :math:`dV` and :math:`dK` the transposed product over the cached transpose 
 SDDMM. With dropout, :math:`W` is replaced by :math:`W \odot M / (1-p)` in :math:`O` and :math:`dV`, and
 :math:`dW` is multiplied by :math:`M / (1-p)`.
 
+That is the composed path, on every backend. Where the backend has fused loops (the CPU backend with
+MKL, float32/float64, no dropout) one loop per direction does all of it per block row instead, flash-
+attention style: the weights are never stored (the forward saves each row's log-sum-exp, the backward
+recomputes :math:`W` from it), blocks whose entries are all allowed get no bias work and blocks with none
+allowed are skipped (:func:`block_bias`); memory beyond the inputs and outputs is O(L).
+``BSRKIT_FUSED_ATTENTION=0`` turns the fused loops off.
+
 The builders return bool BSR masks ``(L, S)`` whose stored blocks are exactly those holding an allowed
-entry, with each entry's value saying whether it is allowed.
+entry, with each entry's value saying whether it is allowed. They take O(nnz) time and memory (each block
+row's stored blocks follow from the window's bounds; only their entries are evaluated).
 """
 
 from __future__ import annotations
