@@ -390,3 +390,15 @@ def test_fused_path_takes_strided_inputs_and_gradients(fused_calls):
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
     assert fused_calls == {"forward": 1, "backward": 1}
+
+
+def test_fused_forward_then_declined_backward_recomputes_the_weights(monkeypatch):
+    """If the fused backward declines (e.g. a process forked after the forward), the weights are
+    recomputed from the saved inputs and the composed backward runs."""
+    from bsrkit.backends.cpu.backend import CpuBackend
+
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    monkeypatch.setattr(CpuBackend, "attention_backward", lambda self, *args: None)
+    mask = _with_false_entries(bsrkit.sliding_window_mask(16, 5, 4))
+    q, k, v = _inputs((2, 16, 4), (2, 16, 4), (2, 16, 3), seed=6)
+    _compare(q, k, v, mask, is_causal=True)
