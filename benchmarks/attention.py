@@ -84,6 +84,9 @@ def run_point(L: int, density: float, repeats: int, methods: list[str]) -> list[
             ) -> torch.Tensor:
                 return (i - j).abs() <= w
 
+            # A fresh compile per point: otherwise a later point's new mask_mod (another window) recompiles
+            # with dynamic shapes or hits the recompile limit and runs eagerly (seconds, O(L^2) memory).
+            torch._dynamo.reset()
             t0 = time.perf_counter()
             block_mask = create_block_mask(window, 1, 1, L, L, device="cpu", BLOCK_SIZE=bs)
             info["setup_s"] = time.perf_counter() - t0

@@ -1,6 +1,7 @@
 """Block-sparse scaled_dot_product_attention against masked dense attention (forward and gradients, float64),
 and the mask builders against their dense definitions."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,6 +65,98 @@ def test_matches_dense_reference(backend, kind, is_causal):
     mask = _mask(kind, L, S, H)
     q, k, v = _inputs((B, H, L, E), (B, H, S, E), (H, S, Ev))
     _compare(q, k, v, mask, is_causal=is_causal, scale=0.7 if kind == "random_float" else None)
+
+
+@pytest.fixture(params=["fused", "composed"])
+def cpu_path(request, monkeypatch):
+    """The CPU backend with its fused loops on (the default) or off (the composed path)."""
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    monkeypatch.setenv("BSRKIT_FUSED_ATTENTION", "1" if request.param == "fused" else "0")
+    return request.param
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts of the fused forward and backward loops' calls."""
+    from bsrkit.backends.cpu import attention_kernels
+
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        original = getattr(attention_kernels, name)
+
+        def spy(*args, name=name, original=original, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(attention_kernels, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("kind", ["sliding", "causal", "random_bool", "random_float", "batched_mask"])
+def test_cpu_fused_and_composed_paths(cpu_path, fused_calls, kind, is_causal):
+    B, H, L, S, E, Ev = 2, 3, 24, 30, 8, 5
+    mask = _mask(kind, L, S, H)
+    q, k, v = _inputs((B, H, L, E), (B, H, S, E), (H, S, Ev), seed=1)
+    _compare(q, k, v, mask, is_causal=is_causal)
+    expected = (1, 1) if cpu_path == "fused" else (0, 0)
+    assert (fused_calls["forward"], fused_calls["backward"]) == expected
+
+
+def test_fused_float32_matches_float64(fused_calls):
+    """The float32 loops (polynomial exp, MKL sgemm) against the float64 reference, with 128-blocks
+    split into several chunks per block row and partial blocks on the window's edges."""
+    mask = bsrkit.sliding_window_mask(512, 150, 64)
+    q, k, v = (t.detach() for t in _inputs((2, 512, 32), (2, 512, 32), (2, 512, 16), seed=2))
+    grad = torch.randn(2, 512, 16, dtype=torch.float64)
+    q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
+    out = bsrkit.scaled_dot_product_attention(q32, k32, v32, mask, is_causal=True)
+    got = torch.autograd.grad(out, (q32, k32, v32), grad.float())
+    q64, k64, v64 = (t.requires_grad_() for t in (q, k, v))
+    expected = reference.scaled_dot_product_attention(q64, k64, v64, mask, is_causal=True)
+    want = torch.autograd.grad(expected, (q64, k64, v64), grad)
+    assert fused_calls == {"forward": 1, "backward": 1}
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 3, 5])
+def test_fused_backward_heads_split_between_workers(nthreads):
+    """More workers than heads: a head's dK/dV are summed from the side buffers of the workers that
+    share it (and with 1 head per worker, none is shared)."""
+    from bsrkit import attention
+    from bsrkit.backends.cpu import attention_kernels
+    from bsrkit.backends.cpu.backend import _run
+    from bsrkit.operand import Operand
+
+    mask = _with_false_entries(random_bsr((40, 36), (4, 6), 0.6, torch.bool, empty_rows=(3,)), seed=3)
+    q, k, v = _inputs((2, 40, 8), (2, 36, 8), (2, 36, 4), seed=4)
+    a = Operand.of(attention._pattern(mask, (2,)))
+    bias = attention.block_bias(mask, True, torch.float64)
+    with torch.no_grad():
+        out, lse = attention_kernels.forward(a, q, k, v, bias, 0.3, nthreads, _run)
+        grad = torch.randn_like(out)
+        got = attention_kernels.backward(a, q, k, v, out, lse, grad, bias, 0.3, nthreads, _run)
+    expected = reference.scaled_dot_product_attention(q, k, v, mask, is_causal=True, scale=0.3)
+    torch.testing.assert_close(out, expected)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for name, x, y in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(x, y, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+def test_work_bounds_and_side_heads():
+    from bsrkit.backends.cpu.attention_kernels import side_heads, work_bounds
+
+    cost = np.cumsum(np.concatenate([np.zeros((4, 1)), np.ones((4, 3))], 1), 1)  # 4 heads x 3 rows
+    bounds = work_bounds(cost, 2)
+    assert bounds.tolist() == [0, 6, 12]  # cut between heads
+    assert (side_heads(bounds, 3) == -1).all()
+    bounds = work_bounds(cost[:1], 2)  # 1 head, 2 workers: the head is shared
+    assert bounds.tolist() in ([0, 1, 3], [0, 2, 3])
+    assert side_heads(bounds, 3).tolist() == [[0, -1], [0, -1]]
+    bounds = np.array([0, 2, 7, 12])
+    assert side_heads(bounds, 3).tolist() == [[0, -1], [0, 2], [2, -1]]
 
 
 @pytest.mark.triton
@@ -148,6 +241,7 @@ def test_no_entry_outlives_the_mask():
         bsrkit.scaled_dot_product_attention(q, q, q, mask, is_causal=True).sum().backward()
         return weakref.ref(mask)
 
+    gc.collect()  # (entries of earlier tests' masks that only a collection frees)
     before = plans.cache_info().currsize
     ref = run()
     gc.collect()
@@ -224,3 +318,87 @@ def test_mask_from_flex_block_mask():
     mask = bsrkit.mask_from_block_mask(block_mask)
     i, j = torch.arange(32)[:, None], torch.arange(48)[None, :]
     _check_mask(mask, (i - j).abs() <= 5)
+
+
+def _dense_construction(allowed, L, S, blocksize):
+    """The builders' former O(L * S) construction (kept as the oracle): evaluate every entry, store
+    the blocks holding an allowed one."""
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    return bsrkit.mask_from_dense(allowed(i, j).expand(L, S).contiguous(), blocksize)
+
+
+def _assert_same_bsr(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got.crow_indices(), want.crow_indices())
+    assert torch.equal(got.col_indices(), want.col_indices())
+    assert torch.equal(got.values(), want.values())
+
+
+@pytest.mark.parametrize("L,S,bs", [(24, 30, (4, 6)), (32, 32, (8, 8)), (30, 12, (5, 3)), (8, 40, (2, 8))])
+def test_builders_equal_the_dense_construction(L, S, bs):
+    for window in [0, 1, 5, (7, 0), (0, 3), (2, 9), 100]:
+        left, right = (window, window) if isinstance(window, int) else window
+        _assert_same_bsr(
+            bsrkit.sliding_window_mask(L, window, bs, S=S),
+            _dense_construction(lambda i, j, lo=left, hi=right: (j >= i - lo) & (j <= i + hi), L, S, bs),
+        )
+    _assert_same_bsr(bsrkit.causal_mask(L, bs, S=S), _dense_construction(lambda i, j: j <= i, L, S, bs))
+    Ms, Ns = bs
+    for neighbours in [0, 1, 3]:
+        for g in [0, 1, Ns, Ns + 1, 2 * max(L, S)]:
+
+            def local(i, j, neighbours=neighbours, g=g):
+                return ((j // Ns - i // Ms).abs() <= neighbours) | (i < g) | (j < g)
+
+            _assert_same_bsr(
+                bsrkit.block_local_mask(L, bs, S=S, neighbours=neighbours, global_tokens=g),
+                _dense_construction(local, L, S, bs),
+            )
+
+
+def test_builders_memory_is_o_nnz():
+    # L = 2**18: the former construction evaluated L * S = 2**36 entries; this stores 3 blocks a row.
+    mask = bsrkit.sliding_window_mask(2**18, 8, 16)
+    assert mask._nnz() == 3 * 2**14 - 2
+    local = bsrkit.block_local_mask(2**18, 16, neighbours=1, global_tokens=1)
+    assert local._nnz() == 3 * 2**14 - 2 + 2 * (2**14 - 2)  # the band, the first row and column
+
+
+def test_fused_path_sees_changed_mask_values(fused_calls):
+    """The per-block bias of the fused loops is cached with the mask; writing to the mask's values
+    (a new version) is seen by the next call."""
+    mask = bsrkit.sliding_window_mask(16, 4, 4)
+    q, k, v = (t.detach() for t in _inputs((2, 16, 4), (2, 16, 4), (2, 16, 3)))
+    before = bsrkit.scaled_dot_product_attention(q, k, v, mask)
+    mask.values()[0] = False  # block (0, 0): nothing allowed now
+    after = bsrkit.scaled_dot_product_attention(q, k, v, mask)
+    assert fused_calls["forward"] == 2
+    torch.testing.assert_close(after, reference.scaled_dot_product_attention(q, k, v, mask))
+    assert not torch.allclose(before, after)
+
+
+def test_fused_path_takes_strided_inputs_and_gradients(fused_calls):
+    """(batch, L, heads, E) layouts transposed to (batch, heads, L, E), and an expanded gradient."""
+    mask = bsrkit.sliding_window_mask(24, 5, 4)
+    base = _inputs((2, 24, 3, 8), (2, 24, 3, 8), (2, 24, 3, 4), seed=5)
+    q, k, v = (t.transpose(1, 2) for t in base)
+    out = bsrkit.scaled_dot_product_attention(q, k, v, mask, is_causal=True)
+    expected = reference.scaled_dot_product_attention(q, k, v, mask, is_causal=True)
+    torch.testing.assert_close(out, expected)
+    got = torch.autograd.grad(out.sum(), base)
+    want = torch.autograd.grad(expected.sum(), base)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert fused_calls == {"forward": 1, "backward": 1}
+
+
+def test_fused_forward_then_declined_backward_recomputes_the_weights(monkeypatch):
+    """If the fused backward declines (e.g. a process forked after the forward), the weights are
+    recomputed from the saved inputs and the composed backward runs."""
+    from bsrkit.backends.cpu.backend import CpuBackend
+
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    monkeypatch.setattr(CpuBackend, "attention_backward", lambda self, *args: None)
+    mask = _with_false_entries(bsrkit.sliding_window_mask(16, 5, 4))
+    q, k, v = _inputs((2, 16, 4), (2, 16, 4), (2, 16, 3), seed=6)
+    _compare(q, k, v, mask, is_causal=True)

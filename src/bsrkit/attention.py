@@ -18,14 +18,23 @@ with :math:`dV` and :math:`dK` the transposed product over the cached transpose 
 SDDMM. With dropout, :math:`W` is replaced by :math:`W \odot M / (1-p)` in :math:`O` and :math:`dV`, and
 :math:`dW` is multiplied by :math:`M / (1-p)`.
 
+That is the composed path, on every backend. Where the backend has fused loops (the CPU backend with
+MKL, float32/float64, no dropout) one loop per direction does all of it per block row instead, flash-
+attention style: the weights are never stored (the forward saves each row's log-sum-exp, the backward
+recomputes :math:`W` from it), blocks whose entries are all allowed get no bias work and blocks with none
+allowed are skipped (:func:`block_bias`); memory beyond the inputs and outputs is O(L).
+``BSRKIT_FUSED_ATTENTION=0`` turns the fused loops off.
+
 The builders return bool BSR masks ``(L, S)`` whose stored blocks are exactly those holding an allowed
-entry, with each entry's value saying whether it is allowed.
+entry, with each entry's value saying whether it is allowed. They take O(nnz) time and memory (each block
+row's stored blocks follow from the window's bounds; only their entries are evaluated).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from typing import Any, NamedTuple
 
 import torch
 
@@ -108,13 +117,28 @@ def scaled_dot_product_attention(
         dispatch.select(_OP, "addmm", device, dtype),
     )
     a = Operand.of(_pattern(attn_mask, tuple(batch)))
-    bias = _mask_bias(
-        attn_mask, is_causal, torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    )
-    args = (backends, a, bias, float(scale), float(dropout_p), batch)
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    fused = _fused_backend(backends, a, query, value, dropout_p)
+    args = (backends, fused, a, attn_mask, is_causal, compute, float(scale), float(dropout_p), batch)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return _Attention.apply(query, key, value, *args)
-    return _forward(query, key, value, *args, need_weights=False)[0]
+    return _forward(query, key, value, *args)[0]
+
+
+def _fused_backend(
+    backends: tuple[Any, Any, Any], a: Operand, query: torch.Tensor, value: torch.Tensor, dropout_p: float
+) -> Any:
+    """The backend whose fused loops (``attention_forward``/``attention_backward``, an optional
+    capability) take this call, or None: then the composed path (SDDMM, softmax, products) runs.
+    ``BSRKIT_FUSED_ATTENTION=0`` turns them off (for testing the composed path). Dropout is composed."""
+    sampled, softmax, addmm = backends
+    if os.environ.get("BSRKIT_FUSED_ATTENTION", "1") == "0" or not hasattr(addmm, "attention_forward"):
+        return None
+    if dropout_p > 0 or sampled is not addmm or softmax is not addmm or not a.nnz:
+        return None
+    if query.shape[-1] == 0 or value.shape[-1] == 0:  # (BLAS rejects a leading dimension of 0)
+        return None
+    return addmm
 
 
 def _check_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
@@ -199,29 +223,93 @@ def _mask_bias(mask: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> torch
     return bias
 
 
+class BlockBias(NamedTuple):
+    """The mask per stored block (:func:`block_bias`): ``block_index`` ``(*Bm, nnz)`` int64, -1 = every entry
+    allowed (no bias), -2 = nothing allowed (skipped), ``i >= 0``: add ``values[i]`` ``(Ms, Ns)``;
+    ``batch`` = the mask's batch shape ``Bm``."""
+
+    block_index: torch.Tensor
+    values: torch.Tensor
+    batch: torch.Size
+
+
+def block_bias(mask: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> BlockBias:
+    """The mask (and ``is_causal``) per stored block, for the fused loops: a block with every entry
+    allowed needs no bias and a block with none is skipped; only the others (a window's edges, a causal
+    diagonal, every block of a float mask) get a bias block. O(nnz) time and memory."""
+    values = mask.values()
+    nnz, Ms, Ns = values.shape[-3:]
+    vals = values.reshape(-1, nnz, Ms, Ns)
+    if mask.dtype == torch.bool:
+        flat = vals.flatten(-2).view(torch.uint8)  # (amin/amax over bytes: ~30x faster than all/any)
+        full, empty = flat.amin(-1) == 1, flat.amax(-1) == 0
+    else:
+        full = empty = torch.zeros(vals.shape[:2], dtype=torch.bool, device=values.device)
+    if is_causal:
+        rows = plans.block_rows(Operand.of(mask).source).reshape(vals.shape[:2]).to(values.device)
+        cols = mask.col_indices().reshape(vals.shape[:2]).to(torch.int64)
+        future = cols * Ns > rows * Ms + Ms - 1  # every key after every query of the block
+        full = full & (cols * Ns + Ns - 1 <= rows * Ms)
+        empty = empty | future
+    partial = ~(full | empty)
+    index = torch.full(vals.shape[:2], -1, dtype=torch.int64, device=values.device)
+    index[empty] = -2
+    pb, pg = partial.nonzero(as_tuple=True)
+    index[pb, pg] = torch.arange(pb.numel(), device=values.device)
+    blocks = vals[pb, pg]
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(blocks.shape, dtype=dtype, device=values.device).masked_fill_(~blocks, -torch.inf)
+    else:
+        bias = blocks.to(dtype)
+    if is_causal and pb.numel():
+        first_row = rows[pb, pg][:, None, None] * Ms + torch.arange(Ms, device=values.device)[:, None]
+        first_col = cols[pb, pg][:, None, None] * Ns + torch.arange(Ns, device=values.device)
+        bias.masked_fill_(first_col > first_row, -torch.inf)
+    return BlockBias(index.reshape(*values.shape[:-3], nnz), bias, values.shape[:-3])
+
+
+@weak_lru_cache(maxsize=64, maxbytes=2**28)
+def _cached_block_bias(
+    mask: torch.Tensor, values: torch.Tensor, is_causal: bool, dtype: torch.dtype
+) -> BlockBias:
+    """:func:`block_bias`, cached for as long as the mask's indices and values live; ``values`` (the
+    mask's) is in the key so that writing to them (a new version) is a miss."""
+    return block_bias(mask, is_causal, dtype)
+
+
+class _Saved(NamedTuple):
+    """What the backward needs besides query, key, value: the fused path's output and log-sum-exp and
+    the block bias, or the composed path's weights and dropout's kept set."""
+
+    fused: bool
+    out: torch.Tensor | None
+    lse: torch.Tensor | None
+    bias: BlockBias | None
+    weights: torch.Tensor | None
+    keep: torch.Tensor | None
+
+
 def _forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     backends: tuple[Any, Any, Any],
+    fused: Any,
     a: Operand,
-    bias: torch.Tensor | None,
+    mask: torch.Tensor,
+    is_causal: bool,
+    compute: torch.dtype,
     scale: float,
     dropout_p: float,
     batch: torch.Size,
-    need_weights: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(output, attention weights W at the stored blocks, dropout's kept set or None); W is None when
-    ``need_weights`` is False and the fused kernel ran."""
-    sampled, softmax, addmm = backends
-    fused = getattr(addmm, "attention_forward", None)  # an optional capability (CPU: one fused loop)
-    if fused is not None and dropout_p == 0 and sampled is addmm and softmax is addmm and a.nnz:
-        result = fused(a, query, key, value, bias, scale, need_weights)
+) -> tuple[torch.Tensor, _Saved]:
+    if fused is not None:
+        bias = _cached_block_bias(mask, mask.values(), is_causal, compute)
+        result = fused.attention_forward(a, query, key, value, bias, scale)
         if result is not None:
-            return result[0], result[1], None
-    scores = dispatch.sampled(_SAMPLED, sampled, a, query, key.mT, batch, scale)
-    weights = dispatch.softmax(softmax, a, scores, bias, zero_empty_rows=True)
-    del scores
+            return result[0], _Saved(True, result[0], result[1], bias, None, None)
+    addmm = backends[2]
+    weights = _weights(query, key, backends, a, mask, is_causal, compute, scale, batch)
     keep = None
     dropped = weights
     if dropout_p > 0:
@@ -230,7 +318,24 @@ def _forward(
     out = torch.empty((*batch, query.shape[-2], value.shape[-1]), dtype=query.dtype, device=query.device)
     product = a._replace(values=dropped) if _nonempty(a, out, key.shape[-2]) else None
     dispatch.addmm(_MM, addmm, None, product, value, out, batch, 0.0, 1.0, None)
-    return out, weights, keep
+    return out, _Saved(False, None, None, None, weights, keep)
+
+
+def _weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    backends: tuple[Any, Any, Any],
+    a: Operand,
+    mask: torch.Tensor,
+    is_causal: bool,
+    compute: torch.dtype,
+    scale: float,
+    batch: torch.Size,
+) -> torch.Tensor:
+    """The attention weights at the stored blocks, composed: SDDMM, then the block-row softmax."""
+    sampled, softmax, _ = backends
+    scores = dispatch.sampled(_SAMPLED, sampled, a, query, key.mT, batch, scale)
+    return dispatch.softmax(softmax, a, scores, _mask_bias(mask, is_causal, compute), zero_empty_rows=True)
 
 
 def _apply_dropout(w: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
@@ -252,50 +357,98 @@ class _Attention(torch.autograd.Function):
         key: torch.Tensor,
         value: torch.Tensor,
         backends: tuple[Any, Any, Any],
+        fused: Any,
         a: Operand,
-        bias: torch.Tensor | None,
+        mask: torch.Tensor,
+        is_causal: bool,
+        compute: torch.dtype,
         scale: float,
         dropout_p: float,
         batch: torch.Size,
     ) -> torch.Tensor:
-        out, weights, keep = _forward(query, key, value, backends, a, bias, scale, dropout_p, batch)
-        ctx.save_for_backward(query, key, value, weights, keep)
-        ctx.args = (backends, a, scale, dropout_p, batch)
+        out, saved = _forward(
+            query, key, value, backends, fused, a, mask, is_causal, compute, scale, dropout_p, batch
+        )
+        if saved.fused:
+            ctx.save_for_backward(query, key, value, saved.out, saved.lse)
+        else:
+            ctx.save_for_backward(query, key, value, saved.weights, saved.keep)
+        ctx.args = (
+            backends,
+            fused,
+            a,
+            mask,
+            is_causal,
+            compute,
+            scale,
+            dropout_p,
+            batch,
+            saved.fused,
+            saved.bias,
+        )
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        query, key, value, weights, keep = ctx.saved_tensors
-        (sampled, softmax, addmm), a, scale, dropout_p, batch = ctx.args
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        L, S = query.shape[-2], key.shape[-2]
-        grad_q = grad_k = grad_v = None
-        if need_v:
-            # dV = W^T dO: the transposed product over the pattern's cached transpose plan.
-            dropped = weights if keep is None else _apply_dropout(weights, keep, dropout_p)
-            dv = torch.empty((*batch, S, value.shape[-1]), dtype=grad.dtype, device=grad.device)
-            product = a._replace(values=dropped).transposed() if _nonempty(a, dv, L) else None
-            dispatch.addmm(_MM_T, addmm, None, product, grad, dv, batch, 0.0, 1.0, None)
-            grad_v = dv.sum_to_size(value.shape)
-        if need_q or need_k:
-            # dW = (dO V^T)|P (SDDMM), then the softmax's backward.
-            dw = dispatch.sampled(_SAMPLED, sampled, a, grad, value.mT, batch, 1.0)
-            if keep is not None:
-                dw = _apply_dropout(dw, keep, dropout_p)
-            ds = dispatch.softmax_backward(softmax, a, weights, dw)
-            del dw
-            if need_q:
-                dq = torch.empty((*batch, L, query.shape[-1]), dtype=grad.dtype, device=grad.device)
-                product = a._replace(values=ds) if _nonempty(a, dq, S) else None
-                dispatch.addmm(_MM, addmm, None, product, key, dq, batch, 0.0, scale, None)
-                grad_q = dq.sum_to_size(query.shape)
-            if need_k:
-                dk = torch.empty((*batch, S, key.shape[-1]), dtype=grad.dtype, device=grad.device)
-                product = a._replace(values=ds).transposed() if _nonempty(a, dk, L) else None
-                dispatch.addmm(_MM_T, addmm, None, product, query, dk, batch, 0.0, scale, None)
-                grad_k = dk.sum_to_size(key.shape)
-        return grad_q, grad_k, grad_v, None, None, None, None, None, None
+        backends, fused, a, mask, is_causal, compute, scale, _, batch, was_fused, bias = ctx.args
+        query, key, value, x, y = ctx.saved_tensors
+        nones = (None,) * 9
+        if was_fused:
+            result = fused.attention_backward(a, query, key, value, x, y, grad, bias, scale)
+            if result is not None:
+                dq, dk, dv = result
+                return (
+                    dq.sum_to_size(query.shape),
+                    dk.sum_to_size(key.shape),
+                    dv.sum_to_size(value.shape),
+                    *nones,
+                )
+            # (the fused loops declined the backward: recompute the weights, then as composed)
+            weights, keep = _weights(query, key, backends, a, mask, is_causal, compute, scale, batch), None
+        else:
+            weights, keep = x, y
+        return (*_composed_backward(ctx, grad, query, key, value, weights, keep), *nones)
+
+
+def _composed_backward(
+    ctx: Any,
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    weights: torch.Tensor,
+    keep: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    (sampled, softmax, addmm), _, a, _, _, _, scale, dropout_p, batch, _, _ = ctx.args
+    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    L, S = query.shape[-2], key.shape[-2]
+    grad_q = grad_k = grad_v = None
+    if need_v:
+        # dV = W^T dO: the transposed product over the pattern's cached transpose plan.
+        dropped = weights if keep is None else _apply_dropout(weights, keep, dropout_p)
+        dv = torch.empty((*batch, S, value.shape[-1]), dtype=grad.dtype, device=grad.device)
+        product = a._replace(values=dropped).transposed() if _nonempty(a, dv, L) else None
+        dispatch.addmm(_MM_T, addmm, None, product, grad, dv, batch, 0.0, 1.0, None)
+        grad_v = dv.sum_to_size(value.shape)
+    if need_q or need_k:
+        # dW = (dO V^T)|P (SDDMM), then the softmax's backward.
+        dw = dispatch.sampled(_SAMPLED, sampled, a, grad, value.mT, batch, 1.0)
+        if keep is not None:
+            dw = _apply_dropout(dw, keep, dropout_p)
+        ds = dispatch.softmax_backward(softmax, a, weights, dw)
+        del dw
+        if need_q:
+            dq = torch.empty((*batch, L, query.shape[-1]), dtype=grad.dtype, device=grad.device)
+            product = a._replace(values=ds) if _nonempty(a, dq, S) else None
+            dispatch.addmm(_MM, addmm, None, product, key, dq, batch, 0.0, scale, None)
+            grad_q = dq.sum_to_size(query.shape)
+        if need_k:
+            dk = torch.empty((*batch, S, key.shape[-1]), dtype=grad.dtype, device=grad.device)
+            product = a._replace(values=ds).transposed() if _nonempty(a, dk, L) else None
+            dispatch.addmm(_MM_T, addmm, None, product, query, dk, batch, 0.0, scale, None)
+            grad_k = dk.sum_to_size(key.shape)
+    return grad_q, grad_k, grad_v
 
 
 # -- mask builders -------------------------------------------------------------------------------------
@@ -316,36 +469,46 @@ def _blocksize(op: str, blocksize: Any) -> tuple[int, int]:
     return bs
 
 
-def _from_allowed(
+def _from_intervals(
     op: str,
-    allowed: Any,
     L: int,
     S: int,
     blocksize: tuple[int, int],
+    intervals: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    allowed: Any,
     device: torch.device | str | None,
 ) -> torch.Tensor:
-    """The bool BSR of ``allowed(rows, cols)`` (a function of broadcast index tensors), storing the blocks
-    that hold an allowed entry. Evaluated per block row, so memory stays O(stored blocks)."""
+    """The bool BSR ``(L, S)`` whose candidate blocks are the block-column ``intervals`` (row, start, end
+    exclusive; sorted by row, then start; disjoint) and whose values are ``allowed(i, j, r, c)`` (entry
+    and block indices as broadcast tensors). Candidates holding no allowed entry are dropped. O(nnz) time
+    and memory: only the stored blocks' entries are ever evaluated."""
     Ms, Ns = blocksize
     if L % Ms or S % Ns:
         raise ValueError(f"{op}(): expected the blocksize {blocksize} to divide (L, S) == {(L, S)}")
-    MB, NB = L // Ms, S // Ns
-    col_ids = torch.arange(S, device=device)
-    crow = [0]
-    cols, vals = [], []
-    for r in range(MB):
-        rows = torch.arange(r * Ms, (r + 1) * Ms, device=device)
-        ok = allowed(rows[:, None], col_ids[None, :]).expand(Ms, S)  # (Ms, S) for one block row
-        blocks = ok.reshape(Ms, NB, Ns).transpose(0, 1)  # (NB, Ms, Ns)
-        stored = blocks.flatten(1).any(1).nonzero().flatten()
-        cols.append(stored)
-        vals.append(blocks[stored])
-        crow.append(crow[-1] + stored.numel())
+    MB = L // Ms
+    row, start, end = intervals
+    keep = end > start
+    row, start, end = row[keep], start[keep], end[keep]
+    lengths = end - start
+    nnz = int(lengths.sum())
+    rows = torch.repeat_interleave(row, lengths)
+    first = torch.cumsum(lengths, 0) - lengths  # index of each interval's first block
+    cols = torch.repeat_interleave(start - first, lengths) + torch.arange(nnz, device=device)
+    r, c = rows[:, None, None], cols[:, None, None]
+    i = r * Ms + torch.arange(Ms, device=device)[:, None]
+    j = c * Ns + torch.arange(Ns, device=device)
+    values = allowed(i, j, r, c).expand(nnz, Ms, Ns)
+    stored = values.reshape(nnz, -1).view(torch.uint8).amax(-1).bool() if nnz else rows.bool()
+    if not bool(stored.all()):
+        rows, cols, values = rows[stored], cols[stored], values[stored]
+    crow = torch.zeros(MB + 1, dtype=torch.int64, device=device)
+    crow[1:] = torch.bincount(rows, minlength=MB).cumsum(0)
     return torch.sparse_bsr_tensor(
-        torch.tensor(crow, dtype=torch.int64, device=device),
-        torch.cat(cols) if cols else torch.zeros(0, dtype=torch.int64, device=device),
-        torch.cat(vals) if vals else torch.zeros((0, Ms, Ns), dtype=torch.bool, device=device),
+        crow,
+        cols,
+        values.contiguous(),
         size=(L, S),
+        check_invariants=False,  # (built valid)
     )
 
 
@@ -358,18 +521,22 @@ def sliding_window_mask(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Query ``i`` attends to keys ``i - left <= j <= i + right``, with ``window`` = ``w`` meaning
-    ``left = right = w`` (``(w, 0)``: causal sliding window). ``S`` defaults to ``L``."""
+    ``left = right = w`` (``(w, 0)``: causal sliding window). ``S`` defaults to ``L``. O(nnz) time and
+    memory: the stored blocks of block row ``r`` are the block columns meeting
+    ``[r Ms - left, r Ms + Ms - 1 + right]``."""
     op = "sliding_window_mask"
     left, right = (window, window) if isinstance(window, int) else window
     if left < 0 or right < 0:
         raise ValueError(f"{op}(): expected window sizes >= 0, got {window!r}")
-    return _from_allowed(
-        op,
-        lambda i, j: (j >= i - left) & (j <= i + right),
-        L,
-        L if S is None else S,
-        _blocksize(op, blocksize),
-        device,
+    S = L if S is None else S
+    Ms, Ns = _blocksize(op, blocksize)
+    r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
+    lo = (r * Ms - left).clamp(min=0)  # first and last allowed key column of the block row
+    hi = (r * Ms + Ms - 1 + right).clamp(max=S - 1)
+    start = torch.div(lo, Ns, rounding_mode="floor")
+    end = torch.where(lo <= hi, torch.div(hi, Ns, rounding_mode="floor") + 1, start)
+    return _from_intervals(
+        op, L, S, (Ms, Ns), (r, start, end), lambda i, j, r, c: (j >= i - left) & (j <= i + right), device
     )
 
 
@@ -380,9 +547,16 @@ def causal_mask(
     *,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Query ``i`` attends to keys ``j <= i`` (top-left aligned, as ``is_causal`` in torch)."""
+    """Query ``i`` attends to keys ``j <= i`` (top-left aligned, as ``is_causal`` in torch). O(nnz)."""
     op = "causal_mask"
-    return _from_allowed(op, lambda i, j: j <= i, L, L if S is None else S, _blocksize(op, blocksize), device)
+    S = L if S is None else S
+    Ms, Ns = _blocksize(op, blocksize)
+    r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
+    hi = (r * Ms + Ms - 1).clamp(max=S - 1)
+    end = torch.where(hi >= 0, torch.div(hi, Ns, rounding_mode="floor") + 1, 0)
+    return _from_intervals(
+        op, L, S, (Ms, Ns), (r, torch.zeros_like(r), end), lambda i, j, r, c: j <= i, device
+    )
 
 
 def block_local_mask(
@@ -397,19 +571,34 @@ def block_local_mask(
     """Block-local attention with global tokens (Longformer/BigBird style): query block ``r`` attends to
     key blocks ``r - neighbours .. r + neighbours`` (blocks of ``blocksize``), the first
     ``global_tokens`` queries attend to every key, and every query attends to the first
-    ``global_tokens`` keys."""
+    ``global_tokens`` keys. O(nnz): each block row stores at most two runs of block columns."""
     op = "block_local_mask"
     Ms, Ns = _blocksize(op, blocksize)
     if neighbours < 0 or global_tokens < 0:
         raise ValueError(
             f"{op}(): expected neighbours >= 0 and global_tokens >= 0, got {neighbours}, {global_tokens}"
         )
+    S = L if S is None else S
+    NB = S // Ns if S % Ns == 0 else 0
+    r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
+    g = global_tokens
+    n_global = min(-(-g // Ns), NB)  # block columns holding a global key
+    local_lo = (r - neighbours).clamp(min=0)
+    local_hi = torch.maximum((r + neighbours + 1).clamp(max=NB), local_lo)  # (exclusive)
+    global_row = r * Ms < g  # the block row holds a global query: every column
+    merged = local_lo <= n_global  # [0, n_global) and the local run touch: one run
+    first_end = torch.where(merged, torch.maximum(local_hi, torch.full_like(r, n_global)), n_global)
+    first_end = torch.where(global_row, NB, first_end)
+    second_start = torch.where(merged | global_row, first_end, local_lo)
+    second_end = torch.where(merged | global_row, first_end, local_hi)
+    rows = torch.stack([r, r], 1).reshape(-1)
+    starts = torch.stack([torch.zeros_like(r), second_start], 1).reshape(-1)
+    ends = torch.stack([first_end, second_end], 1).reshape(-1)
 
-    def allowed(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        local = (j // Ns - i // Ms).abs() <= neighbours
-        return local | (i < global_tokens) | (j < global_tokens)
+    def allowed(i: torch.Tensor, j: torch.Tensor, r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return ((c - r).abs() <= neighbours) | (i < g) | (j < g)
 
-    return _from_allowed(op, allowed, L, L if S is None else S, (Ms, Ns), device)
+    return _from_intervals(op, L, S, (Ms, Ns), (rows, starts, ends), allowed, device)
 
 
 def mask_from_dense(mask: torch.Tensor, blocksize: int | tuple[int, int]) -> torch.Tensor:

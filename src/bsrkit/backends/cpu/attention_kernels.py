@@ -1,164 +1,196 @@
-r"""Fused CPU forward of block-sparse attention (float32 and float64): per (batch, block row) task,
+r"""Fused CPU attention (float32 and float64): marshaling for the compiled loops of :mod:`._attention_jit`.
 
-1. ``S = scale * Q_r K_c^T`` for the row's stored blocks, by MKL gemm into a thread-local ``Ms x n`` row
-   buffer (``n`` = stored columns of the block row; runs of adjacent block columns are one gemm);
-2. the row softmax in place (``+ bias``; rows with nothing allowed give 0), by the compiled row
-   normaliser of :mod:`.softmax_kernels`; the weights are copied out when the backward needs them;
-3. ``O_r = P V_c`` by gemm (beta = 1 after the first run) straight into the output rows.
+Forward, per (batch, block row) task: ``S = scale Q_r K^T`` by MKL gemm into a worker-local buffer one
+L2-sized chunk of the row's stored blocks at a time, the bias of the *partial* blocks only, an online
+(flash-attention style) softmax with a vectorized ``exp``, and ``O_r += P V`` by gemm; it saves the rows'
+log-sum-exp instead of the weights. The backward recomputes ``P`` from it per chunk (flash-attention 2):
+five gemms per chunk, ``dQ`` per task, ``dK``/``dV`` per head in place (see :mod:`._attention_jit`).
 
-Why fused: the composed path (SDDMM, softmax, BSR product) writes and rereads the ``nnz * Ms * Ns``
-scores three times; here they stay in the worker's cache. Measured at L = 4096, H = 8, D = 64, a
-+-512 window of 128-blocks, 2 threads: see docs/performance.md. numba and MKL as in :mod:`.kernels`
-(each worker runs single-threaded gemm, set through ``mkl_set_num_threads_local``).
+Why fused: the composed path (SDDMM, softmax, BSR product, and five products back) writes and rereads
+the ``nnz * Ms * Ns`` scores several times and keeps the weights for the backward; here they stay in the
+worker's cache, and memory is O(L) beyond the inputs. Figures in docs/performance.md.
+
+The loops are compiled once per machine and cached on disk; MKL's gemm and ``mkl_set_num_threads_local``
+travel as addresses (each worker runs single-threaded gemm). Without MKL (:func:`available` is False)
+attention takes the composed path. Importing this module imports neither numba nor MKL.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
-import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
+from bsrkit import plans
 from bsrkit.backends.cpu.blas import mkl_functions
 
-__all__ = ["attention_kernel"]
+if TYPE_CHECKING:
+    from bsrkit.attention import BlockBias
+    from bsrkit.operand import Operand
 
-_CHAR_N, _CHAR_T = 78, 84
+__all__ = ["available", "backward", "forward", "side_heads", "work_bounds"]
+
+# At most this many bytes of one worker's score buffer (Ms x width), a row's run being cut into equal
+# chunks: 3/4 of the 512 KiB L2 per core measured on (128-blocks, float32: 6 blocks, a 9-block row in
+# 5 + 4). Widths of 1 to 16 blocks were within 8% of each other (L = 4096, D = 64, one thread).
+# The backward has two such buffers (P and dS).
+_FORWARD_CHUNK_BYTES = 384 * 1024
+_BACKWARD_CHUNK_BYTES = 192 * 1024
 
 
 @functools.cache
-def _mkl_ctypes() -> tuple[Any, ...] | None:
-    """ctypes prototypes of MKL's sgemm, dgemm and mkl_set_num_threads_local (numba freezes them into this
-    in-process compile), or None without MKL: then attention takes the composed path."""
+def _addresses() -> tuple[int, int, int] | None:
     fns = mkl_functions()
-    if fns is None:
-        return None
-    i64 = ctypes.c_int64
-    fortran = ctypes.CFUNCTYPE(None, *[i64] * 13)  # Fortran gemm: 13 pointers, passed as 64-bit ints
-    set_threads = ctypes.CFUNCTYPE(ctypes.c_int, i64)(fns.set_num_threads_local)
-    return fortran(fns.sgemm), fortran(fns.dgemm), None, None, set_threads
+    return None if fns is None else (fns.sgemm, fns.dgemm, fns.set_num_threads_local)
 
 
-@functools.cache
-def attention_kernel() -> Any:
-    """Compile (once per process) and return the fused kernel; None when MKL's gemm is missing."""
-    fns = _mkl_ctypes()
-    if fns is None:
-        return None
-    import numba  # deferred: importing numba costs ~0.3 s and is needed only here
+def available() -> bool:
+    """Whether the fused loops can run here (they need MKL's gemm); finds the entry points, compiles
+    nothing."""
+    return _addresses() is not None
 
-    sgemm, dgemm, _, _, set_threads_local = fns  # locals: numba freezes them in
-    normalize_row = softmax_kernels.row_normalizer()
 
-    @numba.njit(parallel=True, nogil=True, cache=False)
-    def kernel(
-        crow, col, q, k, v, bias, bias_of, has_bias, out, weights, write_weights,
-        scale, Ms, Ns, f64, nthreads,
-    ):  # fmt: skip
-        B, L, E = q.shape
-        Ev = v.shape[2]
-        MB = crow.shape[1] - 1
-        isz = 8 if f64 else 4
-        ntasks = B * MB
-        for t in numba.prange(nthreads):
-            ints = np.zeros(9, np.int32)  # m n k lda ldb ldc ldc2 threads 1
-            reals = np.empty(3, np.float64)  # alpha, 0, 1
-            real32 = np.empty(3, np.float32)
-            chars = np.empty(2, np.uint8)
-            p_int = ints.ctypes.data
-            ints[7] = 1
-            old_threads = set_threads_local(p_int + 28)
-            reals[0] = scale
-            reals[1] = 0.0
-            reals[2] = 1.0
-            real32[0] = scale
-            real32[1] = 0.0
-            real32[2] = 1.0
-            p_real = reals.ctypes.data if f64 else real32.ctypes.data
-            p_one = reals.ctypes.data + 16 if f64 else real32.ctypes.data + 8
-            p_chr = chars.ctypes.data
-            for task in range((ntasks * t) // nthreads, (ntasks * (t + 1)) // nthreads):
-                b = task // MB
-                r = task % MB
-                g0 = crow[b, r]
-                g1 = crow[b, r + 1]
-                o_ptr = out.ctypes.data + ((b * L + r * Ms) * Ev) * isz
-                if g0 == g1:
-                    for i in range(r * Ms, (r + 1) * Ms):
-                        out[b, i, :] = 0.0
-                    continue
-                n = (g1 - g0) * Ns
-                buf = np.empty((Ms, n), q.dtype)
-                scale_bits = np.empty(n, np.int32)
-                q_ptr = q.ctypes.data + ((b * L + r * Ms) * E) * isz
-                # 1. S = scale * Q_r K^T, one gemm per run of adjacent block columns. Row-major C (Ms x w)
-                #    is column-major C^T = K_run Q_r^T: transa = T (K row-major), transb = N.
-                g = g0
-                while g < g1:
-                    run = 1
-                    while g + run < g1 and col[b, g + run] == col[b, g] + run:
-                        run += 1
-                    chars[0] = _CHAR_T
-                    chars[1] = _CHAR_N
-                    ints[0] = run * Ns
-                    ints[1] = Ms
-                    ints[2] = E
-                    ints[3] = E
-                    ints[4] = E
-                    ints[5] = n
-                    k_ptr = k.ctypes.data + ((b * k.shape[1] + col[b, g] * Ns) * E) * isz
-                    c_ptr = buf.ctypes.data + ((g - g0) * Ns) * isz
-                    args = (p_chr, p_chr + 1, p_int, p_int + 4, p_int + 8, p_real, k_ptr, p_int + 12,
-                            q_ptr, p_int + 16, p_real + isz, c_ptr, p_int + 20)  # fmt: skip
-                    if f64:
-                        dgemm(*args)
-                    else:
-                        sgemm(*args)
-                    g += run
-                # 2. The softmax of each row, in place.
-                bb = bias_of[b]
-                for i in range(Ms):
-                    row = buf[i]
-                    if has_bias:
-                        for gg in range(g0, g1):
-                            base = (gg - g0) * Ns
-                            for j in range(Ns):
-                                row[base + j] += bias[bb, gg, i, j]
-                    normalize_row(row, scale_bits, True, not f64)
-                    if write_weights:
-                        for gg in range(g0, g1):
-                            base = (gg - g0) * Ns
-                            for j in range(Ns):
-                                weights[b, gg, i, j] = row[base + j]
-                # 3. O_r = P V: column-major O^T (Ev x Ms) = V_run^T P_run^T, both transa/transb = N.
-                g = g0
-                first = True
-                while g < g1:
-                    run = 1
-                    while g + run < g1 and col[b, g + run] == col[b, g] + run:
-                        run += 1
-                    chars[0] = _CHAR_N
-                    chars[1] = _CHAR_N
-                    ints[0] = Ev
-                    ints[1] = Ms
-                    ints[2] = run * Ns
-                    ints[3] = Ev
-                    ints[4] = n
-                    ints[6] = Ev
-                    v_ptr = v.ctypes.data + ((b * v.shape[1] + col[b, g] * Ns) * Ev) * isz
-                    p_ptr = buf.ctypes.data + ((g - g0) * Ns) * isz
-                    p_beta = p_real + isz if first else p_one
-                    args = (p_chr, p_chr + 1, p_int, p_int + 4, p_int + 8, p_one, v_ptr, p_int + 12,
-                            p_ptr, p_int + 16, p_beta, o_ptr, p_int + 24)  # fmt: skip
-                    if f64:
-                        dgemm(*args)
-                    else:
-                        sgemm(*args)
-                    first = False
-                    g += run
-            ints[7] = old_threads
-            set_threads_local(p_int + 28)
+def _loops() -> Any:
+    from bsrkit.backends.cpu import _attention_jit  # deferred: imports numba, loads (or compiles) the loops
 
-    return kernel
+    return _attention_jit
+
+
+def _width(Ms: int, Ns: int, itemsize: int, nbytes: int) -> int:
+    """Chunk width in columns: whole blocks, at least one, the buffer at most ``nbytes`` where possible."""
+    return max(Ns, nbytes // (Ms * itemsize) // Ns * Ns)
+
+
+def work_bounds(cost: np.ndarray, nthreads: int) -> np.ndarray:
+    """``(nthreads + 1,)`` int64: worker t runs tasks ``bounds[t]:bounds[t + 1]`` (task = batch * rows +
+    row), of about equal cost; ``cost`` ``(batches, rows + 1)`` holds each batch's prefix sums. With at
+    least as many batches as workers the cuts fall between batches (no head is shared, so no side
+    buffers), at the batch boundary nearest to an equal split."""
+    nb, rows = cost.shape[0], cost.shape[1] - 1
+    per_batch = cost[:, -1]
+    starts = np.concatenate([[0.0], np.cumsum(per_batch)])
+    total = starts[-1]
+    targets = total * np.arange(nthreads + 1) / nthreads
+    if nb >= nthreads:
+        cuts = np.abs(starts[None, :] - targets[:, None]).argmin(1) * rows
+    else:
+        flat = (starts[:-1, None] + cost[:, :-1]).reshape(-1)  # cost before each task
+        cuts = np.searchsorted(flat, targets, side="left")
+    cuts[0], cuts[-1] = 0, nb * rows
+    return np.maximum.accumulate(cuts).astype(np.int64)
+
+
+def side_heads(bounds: np.ndarray, rows: int) -> np.ndarray:
+    """``(nthreads, 2)`` int64: the first and last batch of each worker's run when the run holds only
+    part of that batch's tasks (its dK/dV go to side buffers), else -1."""
+    nthreads = bounds.shape[0] - 1
+    out = np.full((nthreads, 2), -1, dtype=np.int64)
+    for t in range(nthreads):
+        lo, hi = int(bounds[t]), int(bounds[t + 1])
+        if lo == hi or rows == 0:
+            continue
+        for slot, b in enumerate((lo // rows, (hi - 1) // rows)):
+            if not (lo <= b * rows and (b + 1) * rows <= hi) and b not in out[t]:
+                out[t, slot] = b
+    return out
+
+
+def _bias_arrays(bias: BlockBias, batch: torch.Size, dtype: torch.dtype) -> tuple[Any, ...]:
+    from bsrkit.backends.cpu.backend import _bsr_batch_of  # (backend imports this module)
+
+    index = bias.block_index.reshape(-1, bias.block_index.shape[-1]).to(torch.int64).contiguous().numpy()
+    values = bias.values.to(dtype).contiguous()
+    if values.shape[0] == 0:
+        values = values.new_zeros((1, *values.shape[1:]))
+    return index, values.numpy(), _bsr_batch_of(bias.batch, batch)
+
+
+def _flat(t: torch.Tensor, batch: torch.Size, rows: int, cols: int) -> torch.Tensor:
+    return t.expand(*batch, rows, cols).reshape(-1, rows, cols).contiguous()
+
+
+def forward(
+    a: Operand,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: BlockBias,
+    scale: float,
+    nthreads: int,
+    run: Callable[..., None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output ``(*batch, L, Ev)``, row log-sum-exp ``(*batch, L)``); ``a``'s indices have the call's
+    batch, float32 or float64 (the caller checks :func:`available`). ``run(kernel, nthreads, *args)``
+    calls the loop (the backend's lock)."""
+    loops = _loops()
+    batch = a.batch
+    Ms, Ns = a.values.shape[-2:]
+    L, S = a.M, a.K
+    E, Ev = query.shape[-1], value.shape[-1]
+    dtype = query.dtype
+    q, k, v = _flat(query, batch, L, E), _flat(key, batch, S, E), _flat(value, batch, S, Ev)
+    B = q.shape[0]
+    out = torch.empty((B, L, Ev), dtype=dtype)
+    lse = torch.empty((B, L), dtype=dtype)
+    plan = plans.cpu_mm_plan(a.source, 0, a.pattern)
+    bounds = work_bounds(plan.cost, nthreads)
+    sgemm, dgemm, set_threads = _addresses()  # type: ignore[misc]
+    run(
+        loops.attention_forward, nthreads,
+        plan.crow, plan.col, *_bias_arrays(bias, batch, dtype),
+        q.numpy(), k.numpy(), v.numpy(), out.numpy(), lse.numpy(),
+        float(scale), Ms, Ns, _width(Ms, Ns, q.element_size(), _FORWARD_CHUNK_BYTES), bounds, nthreads,
+        dtype == torch.float64, sgemm, dgemm, set_threads,
+    )  # fmt: skip
+    return out.reshape(*batch, L, Ev), lse.reshape(*batch, L)
+
+
+def backward(
+    a: Operand,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    bias: BlockBias,
+    scale: float,
+    nthreads: int,
+    run: Callable[..., None],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV), each with the call's batch (``(*batch, L, E)``, ``(*batch, S, E)``,
+    ``(*batch, S, Ev)``; the caller sums broadcast dimensions), from :func:`forward`'s ``out`` and
+    ``lse``."""
+    loops = _loops()
+    batch = a.batch
+    Ms, Ns = a.values.shape[-2:]
+    L, S = a.M, a.K
+    E, Ev = query.shape[-1], value.shape[-1]
+    dtype = query.dtype
+    q, k, v = _flat(query, batch, L, E), _flat(key, batch, S, E), _flat(value, batch, S, Ev)
+    o, do = _flat(out, batch, L, Ev), _flat(grad.to(dtype), batch, L, Ev)
+    B = q.shape[0]
+    lse2 = lse.reshape(B, L).contiguous()
+    dq = torch.empty((B, L, E), dtype=dtype)
+    dk = torch.empty((B, S, E), dtype=dtype)
+    dv = torch.empty((B, S, Ev), dtype=dtype)
+    plan = plans.cpu_mm_plan(a.source, 0, a.pattern)
+    bounds = work_bounds(plan.cost, nthreads)
+    heads = side_heads(bounds, L // Ms)
+    shared = bool((heads >= 0).any())
+    side_k = torch.empty((nthreads, 2, S, E) if shared else (1, 2, 1, 1), dtype=dtype)
+    side_v = torch.empty((nthreads, 2, S, Ev) if shared else (1, 2, 1, 1), dtype=dtype)
+    sgemm, dgemm, set_threads = _addresses()  # type: ignore[misc]
+    run(
+        loops.attention_backward, nthreads,
+        plan.crow, plan.col, *_bias_arrays(bias, batch, dtype),
+        q.numpy(), k.numpy(), v.numpy(), o.numpy(), do.numpy(), lse2.numpy(),
+        dq.numpy(), dk.numpy(), dv.numpy(), side_k.numpy(), side_v.numpy(), heads,
+        float(scale), Ms, Ns, _width(Ms, Ns, q.element_size(), _BACKWARD_CHUNK_BYTES), bounds, nthreads,
+        dtype == torch.float64, sgemm, dgemm, set_threads,
+    )  # fmt: skip
+    shape = tuple(batch)
+    return dq.reshape(*shape, L, E), dk.reshape(*shape, S, E), dv.reshape(*shape, S, Ev)

@@ -28,6 +28,7 @@ from bsrkit.backends.batching import block_coordinates
 from bsrkit.backends.torch_ops import TorchBackend
 
 if TYPE_CHECKING:
+    from bsrkit.attention import BlockBias
     from bsrkit.operand import Operand
 
 __all__ = ["CpuBackend", "cpu_device_name"]
@@ -549,40 +550,39 @@ class CpuBackend:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        bias: torch.Tensor | None,
+        bias: BlockBias,
         scale: float,
-        need_weights: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Fused ``softmax(scale * (Q K^T)|P + bias) V`` (an optional capability, float32/float64;
-        None where it does not apply): the output ``(*batch, L, Ev)`` and, if ``need_weights``, the
-        weights ``(*batch, nnz, Ms, Ns)``. ``a``'s indices have the call's batch."""
-        if query.dtype not in (torch.float32, torch.float64) or kernels.in_forked_child():
-            return None  # (a forked child: the fused loop's threads cannot start there)
-        kernel = attention_kernels.attention_kernel()  # None without MKL
-        if kernel is None:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Fused attention forward (an optional capability): (output, row log-sum-exp), or None where it
+        does not apply (not float32/float64, no MKL, a forked child). See :mod:`.attention_kernels`."""
+        if not self._fused_attention(query.dtype):
             return None
-        batch = a.batch
-        nnz, Ms, Ns = a.values.shape[-3:]
-        B = math.prod(batch)
-        L, S = a.M, a.K
-        E, Ev = query.shape[-1], value.shape[-1]
-        q = query.expand(*batch, L, E).reshape(B, L, E).contiguous()
-        k = key.expand(*batch, S, E).reshape(B, S, E).contiguous()
-        v = value.expand(*batch, S, Ev).reshape(B, S, Ev).contiguous()
-        out = torch.empty((B, L, Ev), dtype=query.dtype)
-        weights = torch.empty((B, nnz, Ms, Ns) if need_weights else (1, 1, 1, Ns), dtype=query.dtype)
-        if bias is None:
-            bias4 = weights.new_zeros((1, 1, 1, Ns))
-            bias_of = np.zeros(B, dtype=np.int64)
-        else:
-            bias4 = bias.to(query.dtype).contiguous().reshape(-1, nnz, Ms, Ns)
-            bias_of = _bsr_batch_of(bias.shape[:-3], batch)
-        plan = plans.cpu_mm_plan(a.source, 0, a.pattern)
-        nthreads = max(1, torch.get_num_threads())
-        _run(
-            kernel, nthreads,
-            plan.crow, plan.col, q.numpy(), k.numpy(), v.numpy(), bias4.numpy(), bias_of,
-            bias is not None, out.numpy(), weights.numpy(), need_weights, scale, Ms, Ns,
-            query.dtype == torch.float64, nthreads,
-        )  # fmt: skip
-        return out.reshape(*batch, L, Ev), weights.reshape(*batch, nnz, Ms, Ns) if need_weights else None
+        nthreads = min(max(1, torch.get_num_threads()), _machine_threads())
+        return attention_kernels.forward(a, query, key, value, bias, scale, nthreads, _run)
+
+    def attention_backward(
+        self,
+        a: Operand,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        grad: torch.Tensor,
+        bias: BlockBias,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Fused backward of :meth:`attention_forward`: (dQ, dK, dV) with the call's batch, or None."""
+        if not self._fused_attention(query.dtype):
+            return None
+        nthreads = min(max(1, torch.get_num_threads()), _machine_threads())
+        return attention_kernels.backward(a, query, key, value, out, lse, grad, bias, scale, nthreads, _run)
+
+    @staticmethod
+    def _fused_attention(dtype: torch.dtype) -> bool:
+        # (a forked child: the fused loops' threads cannot start there)
+        return (
+            dtype in (torch.float32, torch.float64)
+            and not kernels.in_forked_child()
+            and attention_kernels.available()
+        )

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["row_normalizer", "softmax_backward_kernel", "softmax_kernel"]
+__all__ = ["softmax_backward_kernel", "softmax_kernel"]
 
 # Every fast-math flag except 'nnan' and 'ninf': -inf (excluded entries) and NaN must keep their meaning.
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -137,12 +137,6 @@ def _numba() -> Any:
     numba = numba_module
     normalize_row = numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(_normalize_row)
     return numba
-
-
-def row_normalizer() -> Any:
-    """The compiled in-place row softmax, for other compiled loops (the fused attention kernel)."""
-    _numba()
-    return normalize_row
 
 
 @functools.cache
