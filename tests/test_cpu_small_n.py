@@ -20,7 +20,10 @@ PATHS = (True, False)  # meta["small_n"]: the vector loops, or a gemm per block
 
 # (M, K, blocksize): square blocks taking the dot-product loop for N <= 4 (Ks a multiple of the lanes);
 # rectangular ones and blocks of odd width (Ks % 8 != 0: the broadcast loop at every N); Ms % 4 != 0.
-SHAPES = [(64, 96, (16, 16)), (64, 64, (32, 32)), (40, 48, (8, 16)), (30, 45, (3, 5)), (48, 32, (6, 8))]
+SHAPES = [
+    (64, 96, (16, 16)), (64, 64, (32, 32)), (40, 48, (8, 16)), (30, 45, (3, 5)), (48, 32, (6, 8)),
+    (45, 32, (9, 8)),  # an odd row count on the dot-product loops: their leftover rows
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("small", PATHS)
@@ -41,7 +44,7 @@ def test_matches_reference_at_every_width(small, dtype, shape):
 def test_exact_on_small_integers(small, dtype):
     g = torch.Generator().manual_seed(3)
     bsr = random_bsr((64, 64), (16, 16), 0.5, dtype, empty_rows=(2,), integers=True, generator=g)
-    for N in (1, 3, 8, 16):
+    for N in (1, 2, 3, 8, 16):
         dense = torch.randint(-3, 4, (64, N), generator=g).to(dtype)
         got = bsrkit.bsr_dense_mm(bsr, dense, meta={"small_n": small})
         assert torch.equal(got, reference.bsr_dense_mm(bsr, dense))

@@ -482,7 +482,7 @@ def _zero_row(C, c0, c_rs, c_cs, Ms, N, zero):
 @numba.njit(nogil=True, cache=False)
 def _dot_row(A, a0, a_gs, a_rs, X, x0, x_ld, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N, Wp, L, alpha,
              overwrite, V, zero):  # fmt: skip
-    """Wp = 1 or 4 columns of X (column j at ``x0 + j * x_ld``, contiguous along k): dot products along k
+    """Wp = 1, 2 or 4 columns of X (column j at ``x0 + j * x_ld``, contiguous along k): dot products along k
     of the blocks' rows (``a_cs == 1``, Ks a multiple of the L lanes) with X's columns, kept as vector
     partial sums in ``V`` (Ms * Wp vectors) over the row's blocks, summed across lanes at the end."""
     vz = _vzero(zero)
@@ -517,6 +517,40 @@ def _dot_row(A, a0, a_gs, a_rs, X, x0, x_ld, cols, g0, g1, C, c0, c_rs, c_cs, Ms
                     p0 = _vfma(_vload(A, r + k), _vload(X, xb + k), p0)
                 _vstore(V, i * L, p0)
                 i += 1
+        elif Wp == 2:
+            i = 0
+            while i + 2 <= Ms:  # two rows by two columns: four independent sums, each load used twice
+                r = ab + i * a_rs
+                v = i * 2 * L
+                p00 = _vload(V, v)
+                p01 = _vload(V, v + L)
+                p10 = _vload(V, v + 2 * L)
+                p11 = _vload(V, v + 3 * L)
+                for k in range(0, Ks, L):
+                    xv0 = _vload(X, xb + k)
+                    xv1 = _vload(X, xb + x_ld + k)
+                    av0 = _vload(A, r + k)
+                    av1 = _vload(A, r + a_rs + k)
+                    p00 = _vfma(av0, xv0, p00)
+                    p01 = _vfma(av0, xv1, p01)
+                    p10 = _vfma(av1, xv0, p10)
+                    p11 = _vfma(av1, xv1, p11)
+                _vstore(V, v, p00)
+                _vstore(V, v + L, p01)
+                _vstore(V, v + 2 * L, p10)
+                _vstore(V, v + 3 * L, p11)
+                i += 2
+            if i < Ms:
+                r = ab + i * a_rs
+                v = i * 2 * L
+                p00 = _vload(V, v)
+                p01 = _vload(V, v + L)
+                for k in range(0, Ks, L):
+                    av0 = _vload(A, r + k)
+                    p00 = _vfma(av0, _vload(X, xb + k), p00)
+                    p01 = _vfma(av0, _vload(X, xb + x_ld + k), p01)
+                _vstore(V, v, p00)
+                _vstore(V, v + L, p01)
         else:
             for i in range(Ms):
                 r = ab + i * a_rs

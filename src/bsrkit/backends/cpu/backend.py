@@ -243,7 +243,7 @@ def _addmm_small(
     # Dot products along k for one column (or up to four, when that is under a vector's width).
     dot = (N == 1 or lanes // 2 >= N) and Ks % lanes == 0 and (values.stride(-1) == 1 or Ks == 1)
     if dot:
-        width = 1 if N == 1 else 4
+        width = N if N <= 2 else 4  # (a loop each for 1, 2 and 4 columns)
         x = dense.mT  # (.., Wp, K) rows contiguous along k
         if not (width == N and (x.stride(-1) == 1 or K == 1)):
             x = dense.new_zeros((*dense.shape[:-2], width, K))

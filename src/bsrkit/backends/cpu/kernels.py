@@ -199,7 +199,7 @@ def bsr_mm_small_kernel() -> Any:  # Callable[..., None] with .prepare and .run_
     loops over each block row, no BLAS call (a gemm per block costs more to call than it computes there).
 
     Same tasks and work split as :func:`bsr_mm_kernel` (one panel). ``dense`` arrives as ``X``, copied
-    zero-padded to ``Wp`` columns where its layout is not the one read: ``dot`` (``Wp`` 1 or 4, Ks a
+    zero-padded to ``Wp`` columns where its layout is not the one read: ``dot`` (``Wp`` 1, 2 or 4, Ks a
     multiple of the vector lanes, blocks with unit column stride) reads X as ``(Wp, K)`` rows, dot products
     along k; otherwise X is ``(K, Wp)`` (``Wp`` a multiple of the lanes) and each element of a block is
     broadcast against a row of X. ``x_ld`` is X's leading dimension; blocks and output are read and
