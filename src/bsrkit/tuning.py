@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -93,7 +94,18 @@ def _warn_once(tag: str, message: str) -> None:
         if tag in _warned:
             return
         _warned.add(tag)
-    warnings.warn(message, TuningWarning, stacklevel=4)
+    warnings.warn(message, TuningWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside bsrkit, as seen from :func:`_warn_once`: the warning
+    names the user's line, whatever the depth of the call inside the package."""
+    frame = sys._getframe(1)  # _warn_once
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("bsrkit"):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
 
 
 def load_table(path: Path | str | None = None) -> dict[str, dict[str, Any]]:
