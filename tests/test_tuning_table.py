@@ -43,6 +43,7 @@ def test_bad_entries_are_named_and_ignored(tmp_path, monkeypatch, params_json):
         got = bsrkit.bsr_dense_mm(bsr, x)
     message = str(record[0].message)
     assert key in message and str(table) in message
+    assert record[0].filename == __file__  # the user's line, not bsrkit's
     assert_close(got, reference.bsr_dense_mm(bsr, x), k=32)
     with warnings.catch_warnings():
         warnings.simplefilter("error", tuning.TuningWarning)
