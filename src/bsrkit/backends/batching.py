@@ -1,4 +1,4 @@
-"""Batch flattening shared by the backends whose kernels take 3-D operands (torch primitives, Triton).
+"""Batch flattening shared by the backends: 3-D operands (torch primitives, Triton), batch index maps (CPU).
 
 Broadcast batch dimensions become stride-0 views; copies are made only where no view exists.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from bsrkit import plans
@@ -15,7 +16,7 @@ from bsrkit import plans
 if TYPE_CHECKING:
     from bsrkit.operand import Operand
 
-__all__ = ["as_3d", "block_coordinates", "flatten_addmm", "flatten_strided_scatter"]
+__all__ = ["as_3d", "block_coordinates", "bsr_batch_of", "flatten_addmm", "flatten_strided_scatter"]
 
 
 def as_3d(t: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, bool]:
@@ -69,3 +70,16 @@ def block_coordinates(a: Operand, batch: torch.Size) -> tuple[torch.Tensor, torc
     rows_b = rows.reshape(*a.batch, nnz).expand(*batch, nnz).reshape(nb, nnz)
     cols_b = a.col.to(torch.int64).expand(*batch, nnz).reshape(nb, nnz)
     return rows_b, cols_b
+
+
+def bsr_batch_of(bsr_batch: torch.Size, batch: torch.Size) -> np.ndarray:
+    """For each flattened output batch index, the flattened index of the BSR batch it broadcasts from
+    (int64, for the compiled CPU loops)."""
+    n_bsr = math.prod(bsr_batch)
+    if not batch:
+        return np.zeros(1, dtype=np.int64)
+    if bsr_batch == batch:
+        return np.arange(n_bsr, dtype=np.int64)
+    return np.ascontiguousarray(
+        np.broadcast_to(np.arange(n_bsr, dtype=np.int64).reshape(bsr_batch), batch).reshape(-1)
+    )

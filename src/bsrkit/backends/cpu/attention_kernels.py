@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from bsrkit import plans
+from bsrkit.backends.batching import bsr_batch_of
 from bsrkit.backends.cpu.blas import mkl_functions
 
 if TYPE_CHECKING:
@@ -99,13 +100,12 @@ def side_heads(bounds: np.ndarray, rows: int) -> np.ndarray:
 
 
 def _bias_arrays(bias: BlockBias, batch: torch.Size, dtype: torch.dtype) -> tuple[Any, ...]:
-    from bsrkit.backends.cpu.backend import _bsr_batch_of  # (backend imports this module)
 
     index = bias.block_index.reshape(-1, bias.block_index.shape[-1]).to(torch.int64).contiguous().numpy()
     values = bias.values.to(dtype).contiguous()
     if values.shape[0] == 0:
         values = values.new_zeros((1, *values.shape[1:]))
-    return index, values.numpy(), _bsr_batch_of(bias.batch, batch)
+    return index, values.numpy(), bsr_batch_of(bias.batch, batch)
 
 
 def _flat(t: torch.Tensor, batch: torch.Size, rows: int, cols: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ import bsrkit.backends.cpu.kernels as kernels
 import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit import plans
 from bsrkit.backends.base import ParamSpec, int_at_least_one
-from bsrkit.backends.batching import block_coordinates
+from bsrkit.backends.batching import block_coordinates, bsr_batch_of
 from bsrkit.backends.torch_ops import TorchBackend
 
 if TYPE_CHECKING:
@@ -128,18 +128,6 @@ def _blas_operand(t: torch.Tensor, row_major_only: bool = False) -> tuple[torch.
 def _base_address(t: torch.Tensor) -> int:
     """Address of element 0 of ``t``'s storage (offsets are passed per batch, in elements)."""
     return int(t.data_ptr() - t.storage_offset() * t.element_size())
-
-
-def _bsr_batch_of(bsr_batch: torch.Size, batch: torch.Size) -> np.ndarray:
-    """For each flattened output batch index, the flattened index of the BSR batch it broadcasts from."""
-    n_bsr = math.prod(bsr_batch)
-    if not batch:
-        return np.zeros(1, dtype=np.int64)
-    if bsr_batch == batch:
-        return np.arange(n_bsr, dtype=np.int64)
-    return np.ascontiguousarray(
-        np.broadcast_to(np.arange(n_bsr, dtype=np.int64).reshape(bsr_batch), batch).reshape(-1)
-    )
 
 
 @functools.cache
@@ -259,7 +247,7 @@ def _addmm_small(
     if math.prod(batch) * a.nnz * Ms * Ks * max(N, 4) < _SERIAL_WORK:
         nthreads = 1
     args = (
-        _KINDS[out.dtype], plan.crow, plan.col, plan.cost, _bsr_batch_of(a.batch, batch), nthreads,
+        _KINDS[out.dtype], plan.crow, plan.col, plan.cost, bsr_batch_of(a.batch, batch), nthreads,
         _base_address(values), _batch_offsets(values, values.ndim - 3, a.batch),
         values.stride(-3), values.stride(-2), values.stride(-1),
         _base_address(x), _batch_offsets(x, x.ndim - 2, batch), x_ld, dot,
@@ -373,7 +361,7 @@ class CpuBackend:
         if math.prod(batch) * a.nnz * Ms * Ks * N < _SERIAL_WORK:
             nthreads = 1
         args = (
-            _KINDS[out.dtype], plan.crow, plan.col, plan.cost, _bsr_batch_of(a.batch, batch), nthreads,
+            _KINDS[out.dtype], plan.crow, plan.col, plan.cost, bsr_batch_of(a.batch, batch), nthreads,
             _base_address(values), _batch_offsets(values, values.ndim - 3, a.batch), values.stride(-3),
             a_rowmajor, lda,
             _base_address(dense), _batch_offsets(dense, dense.ndim - 2, batch),
@@ -519,7 +507,7 @@ class CpuBackend:
             bias_of = np.zeros(x4.shape[0], dtype=np.int64)
         else:
             bias4 = bias.to(compute).contiguous().reshape(-1, nnz, Ms, Ns)
-            bias_of = _bsr_batch_of(bias.shape[:-3], batch)
+            bias_of = bsr_batch_of(bias.shape[:-3], batch)
         out = torch.empty_like(x4)
         crow = plans.cpu_mm_plan(a.source, 0, a.pattern).crow
         nthreads = max(1, torch.get_num_threads())
