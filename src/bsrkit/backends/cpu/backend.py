@@ -60,6 +60,55 @@ _KERNEL_LOCK = threading.Lock()
 
 # Marshaled argument lists kept per plan (one per call signature; see CpuBackend.addmm).
 _PREPARED_CALLS = 8
+# Where the loops take their data addresses: blocks at 6, dense at 11 (both loops), out here.
+_GEMM_OUT_AT, _SMALL_OUT_AT = 17, 15
+
+
+def _call_signature(
+    values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, *rest: Any
+) -> tuple[Any, ...]:
+    """Everything a product's marshaled arguments depend on but the data addresses: the operands'
+    shapes, strides, offsets and dtype, and ``rest`` (the path, batch, scalars, parameters)."""
+    return (
+        values.shape, values.stride(), values.storage_offset(),
+        dense.shape, dense.stride(), dense.storage_offset(),
+        out.shape, out.stride(), out.storage_offset(), out.dtype, *rest,
+    )  # fmt: skip
+
+
+def _run_kept(
+    kernel: Any, plan: plans.CpuMMPlan, signature: tuple[Any, ...], values: torch.Tensor,
+    dense: torch.Tensor, out: torch.Tensor, out_at: int,
+) -> bool:  # fmt: skip
+    """Run the argument list kept for ``signature`` with this call's data addresses patched in; False
+    when none is kept (on a tiny product the marshaling is most of a call's cost)."""
+    kept = plan.calls.get(signature)
+    if kept is None:
+        return False
+    full_args, values_at, dense_at, out_offset = kept
+    full_args = full_args.copy()
+    full_args[6] = values.data_ptr() - values_at
+    full_args[11] = dense.data_ptr() - dense_at
+    full_args[out_at] = out.data_ptr() - out_offset
+    _run(kernel.run_prepared, full_args[5], full_args)
+    return True
+
+
+def _keep(
+    plan: plans.CpuMMPlan, signature: tuple[Any, ...], full_args: list[Any], values: torch.Tensor,
+    dense: torch.Tensor, out: torch.Tensor, out_at: int,
+) -> None:  # fmt: skip
+    """Keep ``full_args`` for :func:`_run_kept`, with each operand's address relative to its data (the
+    operands were passed uncopied: their storages are the ones addressed)."""
+    if len(plan.calls) >= _PREPARED_CALLS:
+        plan.calls.clear()
+    plan.calls[signature] = (
+        full_args,
+        values.data_ptr() - full_args[6],
+        dense.data_ptr() - full_args[11],
+        out.data_ptr() - full_args[out_at],
+    )
+
 
 _numba_threads = threading.local()  # numba's thread count is per calling thread: remember what we set
 
@@ -210,19 +259,8 @@ def _addmm_small(
     values = a.values
     kernel = kernels.bsr_mm_small_kernel()
     plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
-    signature = (
-        "small", values.shape, values.stride(), values.storage_offset(),
-        dense.shape, dense.stride(), dense.storage_offset(),
-        out.shape, out.stride(), out.storage_offset(), out.dtype, batch, alpha, overwrite, nthreads,
-    )  # fmt: skip
-    prepared = plan.calls.get(signature)
-    if prepared is not None:  # as in CpuBackend.addmm: only the data addresses change
-        full_args, values_at, dense_at, out_at = prepared
-        full_args = full_args.copy()
-        full_args[6] = values.data_ptr() - values_at
-        full_args[11] = dense.data_ptr() - dense_at
-        full_args[15] = out.data_ptr() - out_at
-        _run(kernel.run_prepared, full_args[5], full_args)
+    signature = _call_signature(values, dense, out, "small", batch, alpha, overwrite, nthreads)
+    if _run_kept(kernel, plan, signature, values, dense, out, _SMALL_OUT_AT):
         return
     N = dense.shape[-1]
     Ms, Ks = values.shape[-2:]
@@ -256,14 +294,7 @@ def _addmm_small(
     )  # fmt: skip
     full_args = kernel.prepare(*args)
     if x.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr():  # (dense was not copied)
-        if len(plan.calls) >= _PREPARED_CALLS:
-            plan.calls.clear()
-        plan.calls[signature] = (
-            full_args,
-            values.storage_offset() * values.element_size(),
-            dense.data_ptr() - full_args[11],  # x's base address relative to dense's data
-            out.storage_offset() * out.element_size(),
-        )
+        _keep(plan, signature, full_args, values, dense, out, _SMALL_OUT_AT)
     _run(kernel.run_prepared, nthreads, full_args)
 
 
@@ -329,20 +360,10 @@ class CpuBackend:
         # A call like an earlier one (same layouts, scalars, parameters) reuses its marshaled arguments,
         # with the data addresses patched: this is most of a small product's cost.
         values = a.values
-        signature = (
-            values.shape, values.stride(), values.storage_offset(),
-            dense.shape, dense.stride(), dense.storage_offset(),
-            out.shape, out.stride(), out.storage_offset(), out.dtype,
-            batch, alpha, overwrite, params["panel"], params["nthreads"],
-        )  # fmt: skip
-        prepared = plan.calls.get(signature)
-        if prepared is not None:
-            full_args, values_at, dense_at, out_at = prepared
-            full_args = full_args.copy()
-            full_args[6] = values.data_ptr() - values_at
-            full_args[11] = dense.data_ptr() - dense_at
-            full_args[17] = out.data_ptr() - out_at
-            _run(kernel.run_prepared, full_args[5], full_args)
+        signature = _call_signature(
+            values, dense, out, batch, alpha, overwrite, params["panel"], params["nthreads"]
+        )
+        if _run_kept(kernel, plan, signature, values, dense, out, _GEMM_OUT_AT):
             return
         Ms, Ks = values.shape[-2:]
         values, a_rowmajor, lda = _blas_operand(values)
@@ -372,14 +393,7 @@ class CpuBackend:
         )  # fmt: skip
         full_args = kernel.prepare(*args)
         if values is a.values and dense is original_dense and target is out:  # (no copies were needed)
-            if len(plan.calls) >= _PREPARED_CALLS:
-                plan.calls.clear()
-            plan.calls[signature] = (
-                full_args,
-                values.storage_offset() * values.element_size(),
-                dense.storage_offset() * dense.element_size(),
-                out.storage_offset() * out.element_size(),
-            )
+            _keep(plan, signature, full_args, values, dense, out, _GEMM_OUT_AT)
         _run(kernel.run_prepared, nthreads, full_args)
         if target is not out:
             out.copy_(target)
