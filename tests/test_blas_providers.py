@@ -159,3 +159,20 @@ def test_sampled_kernel_accumulates_over_chunks_of_k(column_major):
     product = 2 * mat1 @ mat2
     for g, (r, c) in enumerate(zip(rows[0].tolist(), cols[0].tolist(), strict=True)):
         assert torch.equal(out[0, g], product[r * Ms : (r + 1) * Ms, c * Ns : (c + 1) * Ns]), g
+
+
+@pytest.mark.parametrize("kind", [0, 1])  # KIND_F32, KIND_F64
+def test_gemm_scalars_live_in_the_buffer_the_loop_keeps(kind):
+    """Every gemm scalar a worker passes by pointer is inside the one buffer its loops keep alive (numba
+    frees an array after its last use, so a separate scalar array could be reused while gemm reads it)."""
+    import ctypes
+
+    from bsrkit.backends.cpu import _jit
+
+    ints, p_int, p_real, rsize, p_chr = _jit._gemm_scalars(kind, 2.5, True, True, False, 5, 6, 7, 8)
+    assert p_int == ints.ctypes.data and p_int < p_real < p_chr < p_int + ints.nbytes
+    assert list(ints[:9]) == [0, 0, 8, 6, 5, 7, 0, 1, 1]  # m n k lda ldb ldc 0 threads 1 (swapped lda/ldb)
+    real = ctypes.c_double if kind == 1 else ctypes.c_float
+    assert rsize == ctypes.sizeof(real)
+    assert [real.from_address(p_real + i * rsize).value for i in range(3)] == [2.5, 0.0, 1.0]
+    assert bytes((ctypes.c_ubyte * 4).from_address(p_chr)) == b"TNNN"  # B^T A^T: b column-major, a row-major

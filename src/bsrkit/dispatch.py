@@ -50,7 +50,7 @@ def select(op: str, kernel: str, device: torch.device, dtype: torch.dtype) -> Ba
     backend that cannot run raises ``ValueError`` with its reasons (``triton`` on CPU tensors runs
     Triton's interpreter and needs ``TRITON_INTERPRET=1``).
     """
-    forced = getenv(BACKEND_ENV)
+    forced = forced_backend()
     if forced:
         backend = BACKENDS.get(forced)
         if backend is None:

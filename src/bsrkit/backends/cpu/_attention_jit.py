@@ -54,7 +54,7 @@ from numba.core import errors
 from numba.extending import intrinsic
 
 from bsrkit.backends.cpu import _jit
-from bsrkit.backends.cpu._jit import _call_fortran_gemm, _set_threads_local
+from bsrkit.backends.cpu._jit import KIND_F32, KIND_F64, _call_fortran_gemm, _gemm_scalars, _set_threads_local
 
 # Every fast-math flag except 'nnan' and 'ninf': -inf (excluded entries) must keep its meaning.
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
@@ -243,15 +243,12 @@ def attention_forward(
     gemm = dgemm if f64 else sgemm
     for t in numba.prange(nthreads):
         scratch = np.zeros(8, np.int32)
-        count = np.ones(1, np.int32)
-        old_threads = _set_threads_local(set_threads, count.ctypes.data)
-        reals = np.empty(3, q.dtype)  # scale, 0, 1
-        reals[0] = scale
-        reals[1] = 0.0
-        reals[2] = 1.0
-        p_scale = reals.ctypes.data
-        p_zero = p_scale + isz
-        p_one = p_scale + 2 * isz
+        # scale, 0, 1 and the BLAS thread count by pointer, in one buffer kept alive by the restore below
+        state, p_state, p_scale, rsize, _ = _gemm_scalars(KIND_F64 if f64 else KIND_F32, scale, False, True,
+                                                          True, 0, 0, 0, 0)  # fmt: skip
+        old_threads = _set_threads_local(set_threads, p_state + 28)
+        p_zero = p_scale + rsize
+        p_one = p_scale + 2 * rsize
         buf = np.empty(Ms * width, q.dtype)
         m = np.empty(Ms, q.dtype)
         ell = np.empty(Ms, q.dtype)
@@ -317,9 +314,9 @@ def attention_forward(
                     for j in range(Ev):
                         o[i, j] *= inv
                     lse[b, r * Ms + i] = m[i] + np.log(ell[i])
-        count[0] = old_threads
+        state[7] = old_threads
         if set_threads != 0:
-            _set_threads_local(set_threads, count.ctypes.data)
+            _set_threads_local(set_threads, p_state + 28)
 
 
 @_njit(parallel=True, nogil=True, fastmath=_FASTMATH)
@@ -340,15 +337,12 @@ def attention_backward(
     gemm = dgemm if f64 else sgemm
     for t in numba.prange(nthreads):
         scratch = np.zeros(8, np.int32)
-        count = np.ones(1, np.int32)
-        old_threads = _set_threads_local(set_threads, count.ctypes.data)
-        reals = np.empty(3, q.dtype)  # scale, 0, 1
-        reals[0] = scale
-        reals[1] = 0.0
-        reals[2] = 1.0
-        p_scale = reals.ctypes.data
-        p_zero = p_scale + isz
-        p_one = p_scale + 2 * isz
+        # scale, 0, 1 and the BLAS thread count by pointer, in one buffer kept alive by the restore below
+        state, p_state, p_scale, rsize, _ = _gemm_scalars(KIND_F64 if f64 else KIND_F32, scale, False, True,
+                                                          True, 0, 0, 0, 0)  # fmt: skip
+        old_threads = _set_threads_local(set_threads, p_state + 28)
+        p_zero = p_scale + rsize
+        p_one = p_scale + 2 * rsize
         pbuf = np.empty(Ms * width, q.dtype)
         dbuf = np.empty(Ms * width, q.dtype)
         delta = np.empty(Ms, q.dtype)
@@ -430,9 +424,9 @@ def attention_backward(
                 g = e
             if first:
                 dq[b, r * Ms : (r + 1) * Ms] = 0.0
-        count[0] = old_threads
+        state[7] = old_threads
         if set_threads != 0:
-            _set_threads_local(set_threads, count.ctypes.data)
+            _set_threads_local(set_threads, p_state + 28)
     # Heads split between workers: the sum of their side buffers.
     for t in range(nthreads):
         for slot in range(2):

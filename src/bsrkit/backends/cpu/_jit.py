@@ -177,6 +177,56 @@ def _set_threads_local(set_threads, p_count):
     return _call_int_of_pointer(set_threads, p_count)
 
 
+# -- a worker's gemm scalars ----------------------------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=False)
+def _gemm_scalars(kind, alpha, swap, a_rowmajor, b_rowmajor, lda, ldb, ldc, Ks):
+    """One worker's Fortran gemm scalars (gemm takes every one by pointer), in one buffer.
+
+    Returns ``(ints, p_int, p_real, rsize, p_chr)``: ints (int32) m, n, k, lda, ldb, ldc, 0, threads, 1 at
+    ``p_int``; alpha, 0, 1 in the kind's precision (float64, else float32), ``rsize`` bytes each, at
+    ``p_real``; transa, transb, 'N', 'N' at ``p_chr``. ``swap``: a row-major C, computed as the column-major
+    C^T = B^T A^T (m and n, lda and ldb, the flags exchanged). The caller sets m and n per call.
+
+    Every pointer points into ``ints``' buffer, and numba frees an array after its *last use*, not at the
+    end of its scope: the caller must use ``ints`` after its last gemm call (restoring the BLAS thread
+    count does)."""
+    state = np.zeros(9, np.int64)  # bytes 0-35 ints, 40-63 reals, 64-67 chars
+    ints = state.view(np.int32)
+    chars = state[8:9].view(np.uint8)
+    ints[7] = 1
+    ints[8] = 1
+    chars[2] = _CHAR_N
+    chars[3] = _CHAR_N
+    if swap:
+        chars[0] = _CHAR_N if b_rowmajor else _CHAR_T
+        chars[1] = _CHAR_N if a_rowmajor else _CHAR_T
+        ints[3] = ldb
+        ints[4] = lda
+    else:
+        chars[0] = _CHAR_T if a_rowmajor else _CHAR_N
+        chars[1] = _CHAR_T if b_rowmajor else _CHAR_N
+        ints[3] = lda
+        ints[4] = ldb
+    ints[2] = Ks
+    ints[5] = ldc
+    if kind == KIND_F64:
+        reals = state[5:8].view(np.float64)
+        reals[0] = alpha
+        reals[1] = 0.0
+        reals[2] = 1.0
+        rsize = 8
+    else:  # (float32 gemm; the half kinds use it for empty rows only)
+        real32 = state[5:7].view(np.float32)
+        real32[0] = alpha
+        real32[1] = 0.0
+        real32[2] = 1.0
+        rsize = 4
+    p_int = state.ctypes.data
+    return ints, p_int, p_int + 40, rsize, p_int + 64
+
+
 # -- bsr @ dense ------------------------------------------------------------------------------------------
 
 
@@ -235,39 +285,10 @@ def bsr_mm(
     gemm = dgemm if kind == KIND_F64 else sgemm
     gemm_half = gemm_bf16 if kind == KIND_BF16 else gemm_f16
     for t in numba.prange(nthreads):
-        # Per-thread scratch: Fortran gemm takes every scalar by pointer.
-        ints = np.zeros(9, np.int32)  # m n k lda ldb ldc 0 threads 1
-        reals = np.empty(3, np.float64)
-        real32 = np.empty(3, np.float32)
-        chars = np.empty(4, np.uint8)
-        p_int = ints.ctypes.data
-        ints[7] = 1
-        ints[8] = 1
-        chars[2] = _CHAR_N
-        chars[3] = _CHAR_N
-        old_threads = _set_threads_local(set_threads, p_int + 28)
         swap = c_rowmajor  # row-major C: compute C^T = B^T A^T in column-major terms
-        if swap:
-            chars[0] = _CHAR_N if b_rowmajor else _CHAR_T
-            chars[1] = _CHAR_N if a_rowmajor else _CHAR_T
-            ints[3] = ldb
-            ints[4] = lda
-        else:
-            chars[0] = _CHAR_T if a_rowmajor else _CHAR_N
-            chars[1] = _CHAR_T if b_rowmajor else _CHAR_N
-            ints[3] = lda
-            ints[4] = ldb
-        ints[2] = Ks
-        ints[5] = ldc
-        reals[0] = alpha
-        reals[1] = 0.0
-        reals[2] = 1.0
-        real32[0] = alpha
-        real32[1] = 0.0
-        real32[2] = 1.0
-        p_real = reals.ctypes.data if kind == KIND_F64 else real32.ctypes.data
-        rsize = 8 if kind == KIND_F64 else 4
-        p_chr = chars.ctypes.data
+        ints, p_int, p_real, rsize, p_chr = _gemm_scalars(kind, alpha, swap, a_rowmajor, b_rowmajor, lda, ldb,
+                                                          ldc, Ks)  # fmt: skip
+        old_threads = _set_threads_local(set_threads, p_int + 28)
         ta = _CBLAS_NO_TRANS if a_rowmajor else _CBLAS_TRANS
         tb = _CBLAS_NO_TRANS if b_rowmajor else _CBLAS_TRANS
         b, i = task_bound(t, nthreads, bstart, cum, bsr_of, rows, ntasks)
@@ -779,33 +800,14 @@ def sampled(
     gemm_half = gemm_bf16 if kind == KIND_BF16 else gemm_f16
     for b in range(nbatch):
         for t in numba.prange(nthreads):
-            ints = np.zeros(9, np.int32)  # m n k lda ldb ldc 0 threads 1
-            reals = np.empty(3, np.float64)  # alpha, 0, 1
-            real32 = np.empty(3, np.float32)
-            chars = np.empty(2, np.uint8)
-            p_int = ints.ctypes.data
-            ints[7] = 1
-            old_threads = _set_threads_local(set_threads, p_int + 28)
             # Row-major C: compute C^T = B^T A^T in column-major terms.
-            chars[0] = _CHAR_N if b_rowmajor else _CHAR_T
-            chars[1] = _CHAR_N if a_rowmajor else _CHAR_T
+            ints, p_int, p_real, rsize, p_chr = _gemm_scalars(kind, alpha, True, a_rowmajor, b_rowmajor, lda,
+                                                              ldb, Ns, K)  # fmt: skip
             ints[0] = Ns
             ints[1] = Ms
-            ints[2] = K
-            ints[3] = ldb
-            ints[4] = lda
-            ints[5] = Ns
-            reals[0] = alpha
-            reals[1] = 0.0
-            reals[2] = 1.0
-            real32[0] = alpha
-            real32[1] = 0.0
-            real32[2] = 1.0
-            p_real = reals.ctypes.data if kind == KIND_F64 else real32.ctypes.data
+            old_threads = _set_threads_local(set_threads, p_int + 28)
             a_ks = 1 if a_rowmajor else lda  # element step along K in A (rows x K) and in B (K x cols)
             b_ks = ldb if b_rowmajor else 1
-            rsize = 8 if kind == KIND_F64 else 4
-            p_chr = chars.ctypes.data
             ta = _CBLAS_NO_TRANS if a_rowmajor else _CBLAS_TRANS
             tb = _CBLAS_NO_TRANS if b_rowmajor else _CBLAS_TRANS
             g_lo = (nnz * t) // nthreads
@@ -870,38 +872,10 @@ def scatter_mm(
     gemm = dgemm if kind == KIND_F64 else sgemm
     gemm_half = gemm_bf16 if kind == KIND_BF16 else gemm_f16
     for t in numba.prange(nthreads):
-        ints = np.zeros(9, np.int32)  # m n k lda ldb ldc 0 threads 1
-        reals = np.empty(3, np.float64)  # alpha, 1, 0
-        real32 = np.empty(3, np.float32)
-        chars = np.empty(4, np.uint8)
-        p_int = ints.ctypes.data
-        ints[7] = 1
-        ints[8] = 1
-        chars[2] = _CHAR_N
-        chars[3] = _CHAR_N
-        old_threads = _set_threads_local(set_threads, p_int + 28)
         swap = c_rowmajor  # row-major C: compute C^T = B^T A^T in column-major terms
-        if swap:
-            chars[0] = _CHAR_N if b_rowmajor else _CHAR_T
-            chars[1] = _CHAR_N if a_rowmajor else _CHAR_T
-            ints[3] = ldb
-            ints[4] = lda
-        else:
-            chars[0] = _CHAR_T if a_rowmajor else _CHAR_N
-            chars[1] = _CHAR_T if b_rowmajor else _CHAR_N
-            ints[3] = lda
-            ints[4] = ldb
-        ints[2] = Ks
-        ints[5] = ldc
-        reals[0] = alpha
-        reals[1] = 1.0
-        reals[2] = 0.0
-        real32[0] = alpha
-        real32[1] = 1.0
-        real32[2] = 0.0
-        p_real = reals.ctypes.data if kind == KIND_F64 else real32.ctypes.data
-        rsize = 8 if kind == KIND_F64 else 4
-        p_chr = chars.ctypes.data
+        ints, p_int, p_real, rsize, p_chr = _gemm_scalars(kind, alpha, swap, a_rowmajor, b_rowmajor, lda, ldb,
+                                                          ldc, Ks)  # fmt: skip
+        old_threads = _set_threads_local(set_threads, p_int + 28)
         ta = _CBLAS_NO_TRANS if a_rowmajor else _CBLAS_TRANS
         tb = _CBLAS_NO_TRANS if b_rowmajor else _CBLAS_TRANS
         k_end = scatter_task_start(t + 1, nthreads, cum, ntasks, nbatch)
@@ -928,7 +902,7 @@ def scatter_mm(
                 ints[2] = 0
                 _call_fortran_gemm(gemm if kind <= KIND_F64 else sgemm, p_chr + 2, p_chr + 3, p_int,
                                    p_int + 4, p_int + 8, p_real, c_ptr, p_int + 20, c_ptr, p_int + 32,
-                                   p_real + 2 * rsize, c_ptr, p_int + 20)  # fmt: skip
+                                   p_real + rsize, c_ptr, p_int + 20)  # fmt: skip
                 ints[2] = Ks
             for g in range(g0, g1):
                 a_ptr = a_addr + pairs[g, 0] * a_gs * isz_ab
@@ -943,7 +917,7 @@ def scatter_mm(
                     y_ptr = a_ptr if swap else b_ptr
                     _call_fortran_gemm(gemm, p_chr, p_chr + 1, p_int, p_int + 4, p_int + 8, p_real,
                                        x_ptr, p_int + 12, y_ptr, p_int + 16,
-                                       p_real + (2 * rsize if first else rsize),
+                                       p_real + (rsize if first else 2 * rsize),
                                        c_ptr, p_int + 20)  # fmt: skip
                 else:
                     _call_cblas_gemm_half(gemm_half, _CBLAS_ROW_MAJOR, ta, tb, Ms, w, Ks, alpha,
