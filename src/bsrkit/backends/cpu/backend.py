@@ -64,7 +64,7 @@ _PREPARED_CALLS = 8
 _GEMM_OUT_AT, _SMALL_OUT_AT = 17, 15
 
 
-def _call_signature(
+def _marshal_signature(
     values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, *rest: Any
 ) -> tuple[Any, ...]:
     """Everything a product's marshaled arguments depend on but the data addresses: the operands'
@@ -259,7 +259,7 @@ def _addmm_small(
     values = a.values
     kernel = kernels.bsr_mm_small_kernel()
     plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
-    signature = _call_signature(values, dense, out, "small", batch, alpha, overwrite, nthreads)
+    signature = _marshal_signature(values, dense, out, "small", batch, alpha, overwrite, nthreads)
     if _run_kept(kernel, plan, signature, values, dense, out, _SMALL_OUT_AT):
         return
     N = dense.shape[-1]
@@ -360,7 +360,7 @@ class CpuBackend:
         # A call like an earlier one (same layouts, scalars, parameters) reuses its marshaled arguments,
         # with the data addresses patched: this is most of a small product's cost.
         values = a.values
-        signature = _call_signature(
+        signature = _marshal_signature(
             values, dense, out, batch, alpha, overwrite, params["panel"], params["nthreads"]
         )
         if _run_kept(kernel, plan, signature, values, dense, out, _GEMM_OUT_AT):
