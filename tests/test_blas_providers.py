@@ -56,7 +56,7 @@ def test_supported_kinds_follow_the_provider(monkeypatch):
 def test_compiled_module_repeats_the_kind_values():
     from bsrkit.backends.cpu import _jit  # the compiled loops keep their own copy (one source hash)
 
-    for name in ("KIND_F32", "KIND_F64", "KIND_BF16", "KIND_F16"):
+    for name in ("KIND_F32", "KIND_F64", "KIND_BF16", "KIND_F16", "DOT_NONE", "DOT_COLUMNS", "DOT_PAIRS"):
         assert getattr(_jit, name) == getattr(kernels, name)
 
 

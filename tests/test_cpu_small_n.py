@@ -95,10 +95,42 @@ def test_non_contiguous_dense(small, N, make_dense):
 def test_batched_and_broadcast(small, bsr_batch, dense_batch):
     g = torch.Generator().manual_seed(7)
     bsr = random_bsr((*bsr_batch, 32, 48), (8, 16), 0.5, empty_rows=(1,), generator=g)
-    for N in (1, 3, 8):
+    for N in (1, 2, 3, 8):
         dense = torch.randn((*dense_batch, 48, N), generator=g)
         got = bsrkit.bsr_dense_mm(bsr, dense, meta={"small_n": small})
         assert_close(got, reference.bsr_dense_mm(bsr, dense), k=48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_two_row_major_columns_are_read_in_place(monkeypatch, dtype):
+    """N = 2, row-major: the two-column loop reads dense as it is (DOT_PAIRS), without the transposed copy
+    the other layouts take, and the marshaled arguments are kept for the next call (no second prepare)."""
+    from types import SimpleNamespace
+
+    from bsrkit.backends.cpu import kernels
+
+    real = kernels.bsr_mm_small_kernel()
+    seen = []
+
+    def prepare(*args):
+        seen.append((args[14], args[11]))
+        return real.prepare(*args)
+
+    monkeypatch.setattr(
+        kernels,
+        "bsr_mm_small_kernel",
+        lambda: SimpleNamespace(prepare=prepare, run_prepared=real.run_prepared),
+    )
+    g = torch.Generator().manual_seed(11)
+    bsr = random_bsr((72, 96), (24, 16), 0.5, dtype, empty_rows=(1,), generator=g)  # Ms = 24: 6 row quads
+    dense = torch.randn((96, 2), generator=g).to(dtype)
+    for _ in range(2):
+        assert_close(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=96)
+    assert seen == [(kernels.DOT_PAIRS, dense.data_ptr())]
+    odd = random_bsr((45, 32), (9, 8), 0.5, dtype, generator=g)  # Ms % 4 = 1: the one-row remainder
+    dense = torch.randn((32, 2), generator=g).to(dtype)
+    assert_close(bsrkit.bsr_dense_mm(odd, dense), reference.bsr_dense_mm(odd, dense), k=32)
+    assert seen[-1][0] == kernels.DOT_PAIRS
 
 
 @pytest.mark.parametrize("small", PATHS)

@@ -50,6 +50,9 @@ from numba.extending import intrinsic, models, register_model
 KIND_F32, KIND_F64, KIND_BF16, KIND_F16 = 0, 1, 2, 3
 _CBLAS_ROW_MAJOR, _CBLAS_NO_TRANS, _CBLAS_TRANS = 101, 111, 112
 _CHAR_N, _CHAR_T = 78, 84
+# bsr_mm_small's ``dot``: broadcast loops (X is (K, Wp)), dot products along k (X is (Wp, K)), or the
+# two-column dot loop reading a row-major (K, 2) X directly.
+DOT_NONE, DOT_COLUMNS, DOT_PAIRS = 0, 1, 2
 
 
 class _QuickLoadCache(FunctionCache):
@@ -339,8 +342,9 @@ def bsr_mm(
 #
 # numba has no SIMD type, so :class:`_Vec` is one: an LLVM vector of 32 bytes (8 float32 or 4 float64; on
 # narrower or wider hardware LLVM splits or packs it), held in registers like any scalar local. The loops
-# below use only the intrinsics that follow (load, splat, multiply-add, lane, horizontal sum), so the
-# order of every sum is the one written: no fast-math flags (NaN and inf behave as in IEEE arithmetic).
+# below use only the intrinsics that follow (load, load of two interleaved columns, splat, multiply-add,
+# lane, horizontal sum), so the order of every sum is the one written: no fast-math flags (NaN and inf
+# behave as in IEEE arithmetic).
 
 
 class _Vec(types.Type):
@@ -389,6 +393,30 @@ def _vload(typingctx, p, offset):
         return loaded
 
     return vec(p, offset), codegen
+
+
+@intrinsic
+def _vload_pairs(typingctx, p, offset):
+    """Two vectors from the ``2 * lanes`` elements at ``p[offset]``: the even-indexed and the odd-indexed ones
+    (the two columns of a row-major ``(k, 2)`` matrix: one load, then two shuffles)."""
+    vec = _Vec(_float_pointer(p))
+
+    def codegen(context, builder, signature, llargs):
+        where = builder.gep(llargs[0], [context.cast(builder, llargs[1], signature.args[1], types.intp)])
+        wide = ir.VectorType(context.get_value_type(vec.dtype), 2 * vec.lanes)
+        loaded = builder.load(builder.bitcast(where, wide.as_pointer()), align=vec.dtype.bitwidth // 8)
+        lane_indices = ir.VectorType(_I32, vec.lanes)
+        halves = [
+            builder.shuffle_vector(
+                loaded,
+                ir.Constant(wide, ir.Undefined),
+                ir.Constant(lane_indices, list(range(phase, 2 * vec.lanes, 2))),
+            )
+            for phase in (0, 1)
+        ]
+        return context.make_tuple(builder, signature.return_type, halves)
+
+    return types.UniTuple(vec, 2)(p, offset), codegen
 
 
 @intrinsic
@@ -501,11 +529,82 @@ def _zero_row(C, c0, c_rs, c_cs, Ms, N, zero):
 
 
 @numba.njit(nogil=True, cache=False)
-def _dot_row(A, a0, a_gs, a_rs, X, x0, x_ld, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N, Wp, L, alpha,
+def _dot_rows_in_registers(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N,
+                           Wp, L, alpha, overwrite, zero):  # fmt: skip
+    """:func:`_dot_row` for Wp = 1 or 2, rows outermost: four rows' partial sums (4 or 8 vectors) stay in
+    registers across all the row's blocks and are stored once. (Blocks outermost, as for Wp = 4, spills
+    and reloads every partial sum once per block: a third of the loads at bs 16.) The row's part of X
+    (blocks x Ks x Wp) is re-read per group of four rows, from L1. ``pairs``: X is the row-major ``(K, 2)``
+    dense operand itself (``x_ld`` unused), each step's two columns taken from one load by shuffles."""
+    vz = _vzero(zero)
+    i = 0
+    while i + 4 <= Ms:
+        p00 = p10 = p20 = p30 = p01 = p11 = p21 = p31 = vz
+        for g in range(g0, g1):
+            r = a0 + g * a_gs + i * a_rs
+            xb = x0 + cols[g] * Ks * (2 if pairs else 1)
+            for k in range(0, Ks, L):
+                if pairs:
+                    x0v, x1v = _vload_pairs(X, xb + 2 * k)
+                else:
+                    x0v = _vload(X, xb + k)
+                    x1v = _vload(X, xb + x_ld + k) if Wp == 2 else x0v
+                a0v = _vload(A, r + k)
+                a1v = _vload(A, r + a_rs + k)
+                a2v = _vload(A, r + 2 * a_rs + k)
+                a3v = _vload(A, r + 3 * a_rs + k)
+                p00 = _vfma(a0v, x0v, p00)
+                p10 = _vfma(a1v, x0v, p10)
+                p20 = _vfma(a2v, x0v, p20)
+                p30 = _vfma(a3v, x0v, p30)
+                if Wp == 2:
+                    p01 = _vfma(a0v, x1v, p01)
+                    p11 = _vfma(a1v, x1v, p11)
+                    p21 = _vfma(a2v, x1v, p21)
+                    p31 = _vfma(a3v, x1v, p31)
+        c = c0 + i * c_rs
+        _store(C, c, alpha, overwrite, _vsum(p00))
+        _store(C, c + c_rs, alpha, overwrite, _vsum(p10))
+        _store(C, c + 2 * c_rs, alpha, overwrite, _vsum(p20))
+        _store(C, c + 3 * c_rs, alpha, overwrite, _vsum(p30))
+        if N == 2:
+            _store(C, c + c_cs, alpha, overwrite, _vsum(p01))
+            _store(C, c + c_rs + c_cs, alpha, overwrite, _vsum(p11))
+            _store(C, c + 2 * c_rs + c_cs, alpha, overwrite, _vsum(p21))
+            _store(C, c + 3 * c_rs + c_cs, alpha, overwrite, _vsum(p31))
+        i += 4
+    while i < Ms:  # the last Ms % 4 rows, one at a time
+        p00 = p01 = vz
+        for g in range(g0, g1):
+            r = a0 + g * a_gs + i * a_rs
+            xb = x0 + cols[g] * Ks * (2 if pairs else 1)
+            for k in range(0, Ks, L):
+                if pairs:
+                    x0v, x1v = _vload_pairs(X, xb + 2 * k)
+                else:
+                    x0v = _vload(X, xb + k)
+                    x1v = _vload(X, xb + x_ld + k) if Wp == 2 else x0v
+                a0v = _vload(A, r + k)
+                p00 = _vfma(a0v, x0v, p00)
+                if Wp == 2:
+                    p01 = _vfma(a0v, x1v, p01)
+        c = c0 + i * c_rs
+        _store(C, c, alpha, overwrite, _vsum(p00))
+        if N == 2:
+            _store(C, c + c_cs, alpha, overwrite, _vsum(p01))
+        i += 1
+
+
+@numba.njit(nogil=True, cache=False)
+def _dot_row(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N, Wp, L, alpha,
              overwrite, V, zero):  # fmt: skip
     """Wp = 1, 2 or 4 columns of X (column j at ``x0 + j * x_ld``, contiguous along k): dot products along k
     of the blocks' rows (``a_cs == 1``, Ks a multiple of the L lanes) with X's columns, kept as vector
     partial sums in ``V`` (Ms * Wp vectors) over the row's blocks, summed across lanes at the end."""
+    if Wp <= 2:
+        _dot_rows_in_registers(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks,
+                               N, Wp, L, alpha, overwrite, zero)  # fmt: skip
+        return
     vz = _vzero(zero)
     for e in range(0, Ms * Wp * L, L):
         _vstore(V, e, vz)
@@ -742,8 +841,8 @@ def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows
             if overwrite:
                 _zero_row(C, c0, c_rs, c_cs, Ms, N, zero)
         elif dot:
-            _dot_row(A, a_boff[bb], a_gs, a_rs, X, x_boff[b], x_ld, col[bb], g0, g1, C, c0, c_rs, c_cs,
-                     Ms, Ks, N, Wp, L, alpha, overwrite, V, zero)  # fmt: skip
+            _dot_row(A, a_boff[bb], a_gs, a_rs, X, x_boff[b], x_ld, dot == DOT_PAIRS, col[bb], g0, g1, C, c0,
+                     c_rs, c_cs, Ms, Ks, N, Wp, L, alpha, overwrite, V, zero)  # fmt: skip
         else:
             _axpy_row(A, a_boff[bb], a_gs, a_rs, a_cs, X, x_boff[b], x_ld, col[bb], g0, g1, C, c0, c_rs,
                       c_cs, Ms, Ks, N, Wp, L, alpha, overwrite, V, zero)  # fmt: skip

@@ -268,7 +268,12 @@ def _addmm_small(
     lanes = 8 if out.dtype == torch.float32 else 4
     # Dot products along k for one column (or up to four, when that is under a vector's width).
     dot = (N == 1 or lanes // 2 >= N) and Ks % lanes == 0 and (values.stride(-1) == 1 or Ks == 1)
-    if dot:
+    if dot and N == 2 and dense.stride(-1) == 1 and (dense.stride(-2) == 2 or K == 1):
+        # Row-major (.., K, 2): the two-column loop reads it as it is (no copy, so the marshaled arguments
+        # are kept), splitting each load into its two columns.
+        dot, width, x, x_ld = kernels.DOT_PAIRS, 2, dense, 2
+    elif dot:
+        dot = kernels.DOT_COLUMNS
         width = N if N <= 2 else 4  # (a loop each for 1, 2 and 4 columns)
         x = dense.mT  # (.., Wp, K) rows contiguous along k
         if not (width == N and (x.stride(-1) == 1 or K == 1)):
@@ -276,6 +281,7 @@ def _addmm_small(
             x[..., :N, :].copy_(dense.mT)
         x_ld = x.stride(-2) if width > 1 else K
     else:
+        dot = kernels.DOT_NONE
         width = -(-N // lanes) * lanes
         x = dense  # (.., K, Wp) rows contiguous along the columns
         if not (width == N and x.stride(-1) == 1):

@@ -36,6 +36,9 @@ import numpy as np
 from bsrkit.backends.cpu.blas import BLASProvider, blas_provider
 
 __all__ = [
+    "DOT_COLUMNS",
+    "DOT_NONE",
+    "DOT_PAIRS",
     "KIND_BF16",
     "KIND_F16",
     "KIND_F32",
@@ -52,6 +55,8 @@ __all__ = [
 ]
 
 KIND_F32, KIND_F64, KIND_BF16, KIND_F16 = 0, 1, 2, 3
+# bsr_mm_small_kernel's ``dot``: how X is laid out and read (see there).
+DOT_NONE, DOT_COLUMNS, DOT_PAIRS = 0, 1, 2
 _KIND_NAMES = {KIND_F32: "float32", KIND_F64: "float64", KIND_BF16: "bfloat16", KIND_F16: "float16"}
 
 
@@ -199,10 +204,11 @@ def bsr_mm_small_kernel() -> Any:  # Callable[..., None] with .prepare and .run_
     loops over each block row, no BLAS call (a gemm per block costs more to call than it computes there).
 
     Same tasks and work split as :func:`bsr_mm_kernel` (one panel). ``dense`` arrives as ``X``, copied
-    zero-padded to ``Wp`` columns where its layout is not the one read: ``dot`` (``Wp`` 1, 2 or 4, Ks a
-    multiple of the vector lanes, blocks with unit column stride) reads X as ``(Wp, K)`` rows, dot products
-    along k; otherwise X is ``(K, Wp)`` (``Wp`` a multiple of the lanes) and each element of a block is
-    broadcast against a row of X. ``x_ld`` is X's leading dimension; blocks and output are read and
+    zero-padded to ``Wp`` columns where its layout is not the one read: ``dot`` = ``DOT_COLUMNS`` (``Wp`` 1,
+    2 or 4, Ks a multiple of the vector lanes, blocks with unit column stride) reads X as ``(Wp, K)`` rows,
+    dot products along k; ``DOT_PAIRS`` is the same for ``Wp = 2`` reading a row-major ``(K, 2)`` X (dense
+    as it is); ``DOT_NONE``: X is ``(K, Wp)`` (``Wp`` a multiple of the lanes) and each element of a block
+    is broadcast against a row of X. ``x_ld`` is X's leading dimension; blocks and output are read and
     written through any strides, the output only in its ``N`` columns.
     """
     import bsrkit.backends.cpu._jit as _jit
