@@ -115,3 +115,42 @@ def test_a_users_explicit_layer_is_respected_and_children_still_work(layer):
     _assert_close(report["child"])
     for errors in report["pool"]:
         _assert_close(errors)
+
+
+THREADS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import bsrkit
+    from bsrkit.benchmarking import random_bsr_weight
+
+    torch.set_num_threads(int(sys.argv[1]))
+    seen = [torch.get_num_threads()]
+    bsr, w = random_bsr_weight(512, 32, 0.25, seed=0)
+    x = torch.randn(512, 512)
+    for meta in (None, {"nthreads": 2}, {"nthreads": 1}):  # the serial loop, then a parallel region
+        assert torch.allclose(bsrkit.bsr_dense_mm(bsr, x, meta=meta), w @ x, atol=1e-3, rtol=1e-4)
+        seen.append(torch.get_num_threads())
+    bsrkit.sampled_addmm(bsr, x, x)
+    seen.append(torch.get_num_threads())
+    print(json.dumps(seen))
+    """
+)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_products_keep_torchs_thread_count(threads):
+    """numba's OpenMP pool and torch share libgomp, and starting the pool sets the process-wide thread
+    count to NUMBA_NUM_THREADS: a user's torch.set_num_threads(1) must survive the first product."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    env.update(NUMBA_NUM_THREADS="2", PYTHONPATH=os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", THREADS_SCRIPT, str(threads)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [threads] * 5

@@ -117,8 +117,26 @@ def _set_numba_threads(n: int) -> None:
     if getattr(_numba_threads, "n", None) != n:
         import numba
 
+        _launch_numba_threads()
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
         _numba_threads.n = n
+
+
+@functools.cache
+def _launch_numba_threads() -> None:
+    """Start numba's worker pool, keeping torch's thread count.
+
+    numba's OpenMP layer starts its pool with ``omp_set_num_threads(NUMBA_NUM_THREADS)``, and torch's CPU
+    wheels load the same ``libgomp.so.1``: the process-wide count torch reads (``torch.get_num_threads()``)
+    and uses for its own ops would silently become numba's (measured: 1 -> 2 after the first product). The
+    pool is started here, once, and torch's count put back.
+    """
+    from numba.np.ufunc import parallel
+
+    threads = torch.get_num_threads()
+    parallel._launch_threads()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def _run(kernel: Any, nthreads: int, *args: Any) -> None:
