@@ -285,12 +285,12 @@ def _addmm_small(
     K = dense.shape[-2]
     lanes = 8 if out.dtype == torch.float32 else 4
     # Dot products along k for one column (or up to four, when that is under a vector's width).
-    dot = (N == 1 or lanes // 2 >= N) and Ks % lanes == 0 and (values.stride(-1) == 1 or Ks == 1)
-    if dot and N == 2 and dense.stride(-1) == 1 and (dense.stride(-2) == 2 or K == 1):
+    along_k = (N == 1 or lanes // 2 >= N) and Ks % lanes == 0 and (values.stride(-1) == 1 or Ks == 1)
+    if along_k and N == 2 and dense.stride(-1) == 1 and dense.stride(-2) == 2:
         # Row-major (.., K, 2): the two-column loop reads it as it is (no copy, so the marshaled arguments
         # are kept), splitting each load into its two columns.
         dot, width, x, x_ld = kernels.DOT_PAIRS, 2, dense, 2
-    elif dot:
+    elif along_k:
         dot = kernels.DOT_COLUMNS
         width = N if N <= 2 else 4  # (a loop each for 1, 2 and 4 columns)
         x = dense.mT  # (.., Wp, K) rows contiguous along k
