@@ -77,37 +77,47 @@ def _marshal_signature(
 
 
 def _run_kept(
-    kernel: Any, plan: plans.CpuMMPlan, signature: tuple[Any, ...], values: torch.Tensor,
-    dense: torch.Tensor, out: torch.Tensor, out_at: int,
+    plan: plans.CpuMMPlan, signature: tuple[Any, ...], values: torch.Tensor, dense: torch.Tensor,
+    out: torch.Tensor,
 ) -> bool:  # fmt: skip
-    """Run the argument list kept for ``signature`` with this call's data addresses patched in; False
-    when none is kept (on a tiny product the marshaling is most of a call's cost)."""
+    """Run the arguments kept for ``signature`` with this call's data addresses; False when none are
+    kept (on a tiny product the marshaling is most of a call's cost)."""
     kept = plan.calls.get(signature)
     if kept is None:
         return False
-    full_args, values_at, dense_at, out_offset = kept
-    full_args = full_args.copy()
-    full_args[6] = values.data_ptr() - values_at
-    full_args[11] = dense.data_ptr() - dense_at
-    full_args[out_at] = out.data_ptr() - out_offset
+    kernel, c_call, block, full_args, values_at, dense_at, out_offset, out_at = kept
+    a_addr = values.data_ptr() - values_at
+    b_addr = dense.data_ptr() - dense_at
+    c_addr = out.data_ptr() - out_offset
+    if c_call is not None:  # the serial twin's C entry, its argument block packed once
+        with _KERNEL_LOCK:
+            c_call(block, a_addr, b_addr, c_addr)
+        return True
+    full_args = full_args.copy()  # (another thread may run the same plan: patch a copy)
+    full_args[6], full_args[11], full_args[out_at] = a_addr, b_addr, c_addr
     _run(kernel.run_prepared, full_args[5], full_args)
     return True
 
 
 def _keep(
-    plan: plans.CpuMMPlan, signature: tuple[Any, ...], full_args: list[Any], values: torch.Tensor,
-    dense: torch.Tensor, out: torch.Tensor, out_at: int,
+    kernel: Any, plan: plans.CpuMMPlan, signature: tuple[Any, ...], full_args: list[Any],
+    values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, out_at: int,
 ) -> None:  # fmt: skip
     """Keep ``full_args`` for :func:`_run_kept`, with each operand's address relative to its data (the
-    operands were passed uncopied: their storages are the ones addressed)."""
+    operands were passed uncopied: their storages are the ones addressed). A serial call keeps the
+    packed block of its C entry (see ``_jit._PackedEntry``); the block lives as long as ``full_args``,
+    which holds the arrays it addresses."""
     if len(plan.calls) >= _PREPARED_CALLS:
         plan.calls.clear()
-    plan.calls[signature] = (
-        full_args,
-        values.data_ptr() - full_args[6],
-        dense.data_ptr() - full_args[11],
-        out.data_ptr() - full_args[out_at],
-    )
+    c_call = block = None
+    if full_args[5] == 1:
+        block_array = kernel.serial.pack(full_args)
+        c_call, block = kernel.serial.c_call, block_array.ctypes.data
+        full_args = [*full_args, block_array]  # (keeps the block alive)
+    offsets = (
+        values.data_ptr() - full_args[6], dense.data_ptr() - full_args[11], out.data_ptr() - full_args[out_at]
+    )  # fmt: skip
+    plan.calls[signature] = (kernel, c_call, block, full_args, *offsets, out_at)
 
 
 _numba_threads = threading.local()  # numba's thread count is per calling thread: remember what we set
@@ -260,7 +270,7 @@ def _addmm_small(
     kernel = kernels.bsr_mm_small_kernel()
     plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
     signature = _marshal_signature(values, dense, out, "small", batch, alpha, overwrite, nthreads)
-    if _run_kept(kernel, plan, signature, values, dense, out, _SMALL_OUT_AT):
+    if _run_kept(plan, signature, values, dense, out):
         return
     N = dense.shape[-1]
     Ms, Ks = values.shape[-2:]
@@ -294,7 +304,7 @@ def _addmm_small(
     )  # fmt: skip
     full_args = kernel.prepare(*args)
     if x.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr():  # (dense was not copied)
-        _keep(plan, signature, full_args, values, dense, out, _SMALL_OUT_AT)
+        _keep(kernel, plan, signature, full_args, values, dense, out, _SMALL_OUT_AT)
     _run(kernel.run_prepared, nthreads, full_args)
 
 
@@ -363,7 +373,7 @@ class CpuBackend:
         signature = _marshal_signature(
             values, dense, out, batch, alpha, overwrite, params["panel"], params["nthreads"]
         )
-        if _run_kept(kernel, plan, signature, values, dense, out, _GEMM_OUT_AT):
+        if _run_kept(plan, signature, values, dense, out):
             return
         Ms, Ks = values.shape[-2:]
         values, a_rowmajor, lda = _blas_operand(values)
@@ -393,7 +403,7 @@ class CpuBackend:
         )  # fmt: skip
         full_args = kernel.prepare(*args)
         if values is a.values and dense is original_dense and target is out:  # (no copies were needed)
-            _keep(plan, signature, full_args, values, dense, out, _GEMM_OUT_AT)
+            _keep(kernel, plan, signature, full_args, values, dense, out, _GEMM_OUT_AT)
         _run(kernel.run_prepared, nthreads, full_args)
         if target is not out:
             out.copy_(target)
