@@ -28,6 +28,8 @@ class Operand(NamedTuple):
     source: Any
     transposed_block_cols: int = 0
     pattern: plans.Pattern | None = None  # the verdict, which keeps plans fetched through it
+    # A kept operand's (see :meth:`of`) prepared backend calls, by call (:func:`bsrkit.dispatch.addmm`).
+    calls: dict[Any, Any] | None = None
 
     @property
     def batch(self) -> torch.Size:
@@ -53,6 +55,7 @@ class Operand(NamedTuple):
         # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).
         a = cls.parts(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)), op, name)
         if version is not None:
+            a = a._replace(calls={})
             plans.remember_wrapper(bsr, version, a)
         return a
 

@@ -195,7 +195,17 @@ def checked_addmm(
             op, backend, input, bsr, dense, left, right, a, batch, beta, alpha, meta
         )
     if out is None:
-        out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
+        # (Tensor.new_*: the dtype and device of dense, ~0.5 µs cheaper than torch.empty's keywords)
+        like_dense = out_dtype is dense.dtype and type(dense) is torch.Tensor
+        if a is None and input is None and left is None and right is None and math.isfinite(alpha):
+            # Nothing contributes (no stored block, K == 0 or alpha == 0): what dispatch.addmm would give.
+            if like_dense:
+                return dense.new_zeros(out_shape)
+            return torch.zeros(out_shape, dtype=out_dtype, device=dense.device)
+        if like_dense:
+            out = dense.new_empty(out_shape)
+        else:
+            out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
     elif (
         out.numel()
         and dense.numel()
@@ -203,7 +213,7 @@ def checked_addmm(
     ):
         # The kernels read dense while writing out: shared memory would give a silently wrong result.
         raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
-    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
+    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, signature)
 
 
 # A call's verdict depends only on its metadata (types, layouts, dtypes, devices, shapes, scalars, grad

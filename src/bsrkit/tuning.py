@@ -42,6 +42,7 @@ __all__ = [
     "load_table",
     "lookup",
     "resolve",
+    "resolve_state",
     "save_entries",
     "scatter_mm_meta",
     "table_key",
@@ -252,6 +253,13 @@ def resolve(
         _resolved[memo] = (entries, _warned, params)
         return dict(params)
     return _resolve_unmemoized(backend, op, device, dtype, shape, blocksize, meta)
+
+
+def resolve_state() -> tuple[dict[str, Any], set[str]]:
+    """What :func:`resolve` (without ``meta``) depends on beyond its arguments and torch's thread count:
+    the table's entries and the set of warnings given, as objects (a result is valid while both are the
+    same objects)."""
+    return load_table(), _warned
 
 
 # (backend, op, device, dtype, shape, blocksize, threads) -> (table, warnings given, params)
