@@ -213,32 +213,39 @@ def checked_addmm(
     ):
         # The kernels read dense while writing out: shared memory would give a silently wrong result.
         raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
-    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, signature)
+    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, verdict)
 
 
 # A call's verdict depends only on its metadata (types, layouts, dtypes, devices, shapes, scalars, grad
 # mode, the forced backend), not on data: a call like an earlier valid one (the common repeated product)
 # skips the checks. Only calls without input, scales and meta are remembered (their signature is cheap).
+# Each verdict is a distinct object per signature: dispatch.addmm keeps prepared calls by its identity.
 _valid_calls: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 _VALID_CALLS_MAX = 1024
-
-
-def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
-    return (type(t), t.layout, t.dtype, t.device, t.shape, t.requires_grad)
 
 
 def _call_signature(
     op: str, transpose: bool, bsr: Any, dense: Any, out: Any, beta: Any, alpha: Any
 ) -> tuple[Any, ...] | None:
-    """What :func:`_validate_addmm`'s verdict depends on, or None for arguments it would reject anyway."""
+    """What :func:`_validate_addmm`'s verdict depends on, or None for arguments it would reject anyway:
+    per tensor its type, layout, dtype, device, shape and ``requires_grad`` (one flat tuple: this runs
+    on every product)."""
     if not (isinstance(bsr, torch.Tensor) and isinstance(dense, torch.Tensor)):
         return None
-    if bsr.layout is not torch.sparse_bsr or not (out is None or isinstance(out, torch.Tensor)):
+    if bsr.layout is not torch.sparse_bsr:
+        return None
+    if out is None:
+        out_signature: Any = None
+    elif isinstance(out, torch.Tensor):
+        out_signature = (type(out), out.layout, out.dtype, out.device, out.shape, out.requires_grad)
+    else:
         return None
     return (
         op, transpose, type(beta), beta, type(alpha), alpha, torch.is_grad_enabled(),
-        dispatch.forced_backend(), bsr.dense_dim(), *_tensor_signature(bsr), *_tensor_signature(dense),
-        None if out is None else _tensor_signature(out),
+        dispatch.forced_backend(), bsr.dense_dim(),
+        type(bsr), bsr.dtype, bsr.device, bsr.shape, bsr.requires_grad,
+        type(dense), dense.layout, dense.dtype, dense.device, dense.shape, dense.requires_grad,
+        out_signature,
     )  # fmt: skip
 
 
