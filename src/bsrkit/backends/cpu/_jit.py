@@ -1081,7 +1081,12 @@ class _PackedEntry:
                 block[at : at + 1].view(np.float64)[0] = value
             elif kind in "12F":
                 dtype, ndim = (np.float64, 2) if kind == "F" else (np.int64, int(kind))
-                if value.dtype != dtype or value.ndim != ndim or not value.flags.c_contiguous:
+                if (
+                    not isinstance(value, np.ndarray)
+                    or value.dtype != dtype
+                    or value.ndim != ndim
+                    or not value.flags.c_contiguous
+                ):
                     raise TypeError(f"{self.__name__}(): expected argument {i} a C-contiguous {dtype} array")
                 block[at] = value.ctypes.data
                 block[at + 1 : at + 1 + value.ndim] = value.shape
