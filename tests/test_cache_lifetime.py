@@ -327,3 +327,77 @@ def test_verdict_by_wrapper_is_never_stale_and_dies_with_the_tensor(monkeypatch)
     bsrkit.bsr_dense_mm(other, x)
     bsrkit.cache_clear()
     assert not plans._by_wrapper
+
+
+def _bsr_4x4() -> torch.Tensor:
+    dense = torch.zeros(8, 8)
+    dense[:4, :4] = torch.randn(4, 4)
+    dense[4:, 4:] = torch.randn(4, 4)
+    return dense.to_sparse_bsr((4, 4))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda b: b.crow_indices().add_(0),
+        lambda b: b.col_indices().add_(0),
+        lambda b: b.values().mul_(2),
+        lambda b: b.copy_(_bsr_4x4()),
+        lambda b: b.resize_as_sparse_(_bsr_4x4()),
+        lambda b: b.zero_(),
+    ],
+    ids=["crow", "col", "values", "copy_", "resize_as_sparse_", "zero_"],
+)
+@pytest.mark.parametrize("mode", ["grad", "inference"])
+def test_every_change_torch_makes_to_a_bsr_bumps_its_version(change, mode):
+    """What the kept operand relies on (plans.operand_by_wrapper): a BSR tensor shares one version
+    counter with the aliases its accessors return, and every change to its members bumps it, in
+    inference mode too; swap_tensors refuses a tensor that has a weak reference. (Facts of torch: a
+    torch upgrade that changes them fails here.)"""
+    bsr = _bsr_4x4()
+    version = bsr._version
+    with torch.inference_mode(mode == "inference"):
+        change(bsr)
+    assert bsr._version > version
+    ref = weakref.ref(bsr)  # the kept operand's entry holds one
+    with pytest.raises(RuntimeError, match="weakref"):
+        torch.utils.swap_tensors(bsr, _bsr_4x4())
+    assert ref() is bsr
+
+
+def test_kept_operand_is_reused_until_the_tensor_changes(monkeypatch):
+    """Operand.of returns the same operand for the same unchanged BSR object; any change (in place through
+    its accessors, new members) gives a new one, and products follow; inference tensors (no version
+    counter) are never kept; the kept operand holds neither the tensor nor autograd history."""
+    from bsrkit import plans
+    from bsrkit.operand import Operand
+
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsr = _bsr_4x4()
+    x = torch.randn(8, 24)
+    a = Operand.of(bsr)
+    assert Operand.of(bsr) is a and a.calls == {}
+    for change in (
+        lambda b: b.values().mul_(-3),
+        lambda b: b.col_indices().copy_(torch.tensor([1, 0])),  # (still a valid pattern)
+        lambda b: b.copy_(_bsr_4x4()),
+        lambda b: b.zero_(),
+    ):
+        assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x), k=8)
+        kept = Operand.of(bsr)
+        change(bsr)
+        assert Operand.of(bsr) is not kept
+        assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x), k=8)
+    with torch.inference_mode():
+        frozen = _bsr_4x4()
+    assert Operand.of(frozen) is not Operand.of(frozen) and id(frozen) not in plans._by_wrapper
+    pattern = _bsr_4x4()
+    values = torch.randn(2, 4, 4, requires_grad=True)
+    weight = torch.sparse_bsr_tensor(pattern.crow_indices(), pattern.col_indices(), values, size=(8, 8))
+    kept = Operand.of(weight)
+    assert kept.values.grad_fn is None and not kept.values.requires_grad
+    bsrkit.bsr_dense_mm(weight, x).sum().backward()
+    assert values.grad is not None
+    ref = weakref.ref(weight)
+    del weight, kept
+    assert ref() is None  # no gc.collect(): the kept operand does not hold it

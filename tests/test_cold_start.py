@@ -174,9 +174,31 @@ def test_one_compiled_signature_per_kernel():
     bsrkit.scatter_mm(
         torch.randn(2, 4, 4), torch.randn(2, 4, 3).mT.mT, ("scatter_mm", torch.tensor([0, 2]), pq)
     )
-    # (products this small run the serial twins; the parallel loops share their argument lists)
-    for kernel in (_jit.bsr_mm_serial, _jit.sampled_serial, _jit.scatter_mm_serial):
+    bsrkit.bsr_dense_mm(bsr, dense[:, :8])  # the vector loops (few columns)
+    # (products this small run the serial twins, bsr @ dense's behind their C entries; the parallel loops
+    # share their argument lists)
+    serial = (_jit.bsr_mm_serial, _jit.bsr_mm_small_serial, _jit.sampled_serial, _jit.scatter_mm_serial)
+    for kernel in serial:
         assert len(kernel.signatures) == 1, kernel.signatures
     assert max(len(k.signatures) for k in (_jit.bsr_mm, _jit.sampled, _jit.scatter_mm)) <= 1
     info = kernels.compile_cache_info()
-    assert info["bsr_mm_serial"]["hits"] + info["bsr_mm_serial"]["misses"] == 1
+    for name in ("bsr_mm_serial", "bsr_mm_small_serial"):
+        assert info[name]["hits"] + info[name]["misses"] == 1, info[name]
+
+
+def test_packed_entry_checks_what_it_packs():
+    """The C entries read arrays by address: pack() refuses what they could not read."""
+    import numpy as np
+
+    from bsrkit.backends.cpu import _jit
+
+    entry = _jit.bsr_mm_small_serial
+    made = {"1": np.zeros(1, np.int64), "2": np.zeros((1, 2), np.int64), "F": np.zeros((1, 2))}
+    args = [made.get(kind, 1) for kind in _jit._BSR_MM_SMALL_KINDS]
+    assert entry.pack(args).shape == (25 * _jit._SLOTS,)
+    with pytest.raises(TypeError, match="expected 25 arguments"):
+        entry.pack(args[:-1])
+    strided, single = np.zeros((2, 2), np.int64)[:, :1], np.zeros((1, 2), np.float32)
+    for i, bad in ((1, strided), (3, single), (4, np.zeros(1)), (7, 5)):
+        with pytest.raises(TypeError, match=f"argument {i}"):
+            entry.pack([*args[:i], bad, *args[i + 1 :]])

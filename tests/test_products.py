@@ -371,3 +371,99 @@ def test_a_remembered_verdict_lets_no_invalid_call_through(monkeypatch):
         bsrkit.bsr_dense_mm(broken, x, out=out)
     bsrkit.bsr_dense_mm(bsr, x, out=out)
     assert_close(out, reference.bsr_dense_mm(bsr, x), k=32)
+
+
+@pytest.mark.parametrize("N", [8, 40])  # the vector loops and the gemm loop
+def test_prepared_calls_are_reused_only_for_the_same_call(monkeypatch, tmp_path, N):
+    """dispatch.addmm keeps the backend's prepared call on a kept operand and reuses it for a call with
+    the same verdict, strides and offsets, thread count and tuning state: each of these changing is a new
+    entry (or no reuse at all), and every result matches the reference."""
+    from bsrkit import ops, tuning
+    from bsrkit.operand import Operand
+
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    monkeypatch.setenv("BSRKIT_TUNING_TABLE", str(tmp_path / "none.json"))  # (no table: defaults)
+    bsr = random_bsr((32, 48), (8, 16), 0.5, empty_rows=(1,))
+    a = Operand.of(bsr)
+    big = torch.randn(2, 48, 2 * N)
+
+    def check(dense, out=None, new=1):
+        before = len(a.calls)
+        got = bsrkit.bsr_dense_mm(bsr, dense, out=out)
+        assert_close(got, reference.bsr_dense_mm(bsr, dense), k=48)
+        if new is not None:
+            assert len(a.calls) == before + new, list(a.calls)
+
+    check(torch.randn(48, N))
+    check(torch.randn(48, N), new=0)  # new memory, same layout: reused
+    check(big[1, :, :N])  # another offset and stride
+    check(big[1, :, N:])  # another offset
+    check(torch.randn(N, 48).mT, new=None)  # column-major (the vector loops copy it: nothing kept)
+    check(torch.randn(48, N), torch.full((N, 32), float("nan")).mT)  # out= column-major
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        check(torch.randn(48, N))
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():  # another verdict (grad mode is in its signature)
+        check(torch.randn(48, N))
+    ops._valid_calls.clear()  # new verdict objects: the kept calls of the old ones are not theirs
+    check(torch.randn(48, N))
+    # A tuning table that changes the parameters: a new table object, so no kept call is reused.
+    a.calls.clear()  # (it keeps 8)
+    check(torch.randn(48, N))
+    key = tuning.table_key(tuning.cpu_device_name(), "bsr_dense_mm", torch.float32, (32, 48, N), (8, 16))
+    tuning.save_entries({key: {"small_n": N > 16, "panel": 8}}, tmp_path / "table.json")
+    monkeypatch.setenv("BSRKIT_TUNING_TABLE", str(tmp_path / "table.json"))
+    before = dict(a.calls)
+    check(torch.randn(48, N), new=0)  # (the same key: its kept call is replaced)
+    assert any(a.calls[k] is not before[k] for k in a.calls)
+    check(torch.randn(48, N), new=0)
+    monkeypatch.setenv("BSRKIT_BACKEND", "torch")  # another backend: nothing kept, still right
+    check(torch.randn(48, N), new=0)
+
+
+def test_prepared_calls_are_thread_safe(monkeypatch):
+    """Threads running the same kept call at once, each with its own data: each gets its own result."""
+    import threading
+
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsr = random_bsr((32, 32), (8, 8), 0.5)
+    bsrkit.bsr_dense_mm(bsr, torch.randn(32, 24))  # keep the call
+    barrier = threading.Barrier(4)
+    failures = []
+
+    def work(seed):
+        dense = torch.randn(32, 24, generator=torch.Generator().manual_seed(seed))
+        expected = reference.bsr_dense_mm(bsr, dense)
+        barrier.wait()
+        for _ in range(200):
+            if not torch.allclose(bsrkit.bsr_dense_mm(bsr, dense), expected, atol=1e-5):
+                failures.append(seed)
+                return
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not failures
+
+
+def test_empty_products_return_zeros_of_the_right_kind():
+    """nnz == 0, K == 0 or alpha == 0 without out=: zeros at once (dense's dtype, int32 for int8); a
+    non-finite alpha still gives NaN (inf * 0), as the formula says."""
+    for dtype in (torch.float32, torch.float64):
+        got = bsrkit.bsr_dense_mm(
+            torch.zeros(32, 32, dtype=dtype).to_sparse_bsr((8, 8)), torch.randn(32, 5).to(dtype)
+        )
+        assert got.dtype == dtype and got.shape == (32, 5) and not got.any()
+    empty = torch.zeros(32, 32).to_sparse_bsr((8, 8))
+    q = torch.zeros(32, 32, dtype=torch.int8).to_sparse_bsr((8, 8))
+    got = bsrkit.bsr_dense_mm(q, torch.ones(32, 5, dtype=torch.int8))
+    assert got.dtype == torch.int32 and not got.any()
+    bsr = random_bsr((32, 32), (8, 8), 0.5)
+    assert not bsrkit.bsr_dense_addmm(torch.ones(32, 5), bsr, torch.randn(32, 5), beta=0, alpha=0).any()
+    nan = bsrkit.bsr_dense_addmm(torch.ones(32, 5), empty, torch.randn(32, 5), beta=0, alpha=float("inf"))
+    assert nan.isnan().all()

@@ -28,6 +28,8 @@ class Operand(NamedTuple):
     source: Any
     transposed_block_cols: int = 0
     pattern: plans.Pattern | None = None  # the verdict, which keeps plans fetched through it
+    # A kept operand's (see :meth:`of`) prepared backend calls, by call (:func:`bsrkit.dispatch.addmm`).
+    calls: dict[Any, Any] | None = None
 
     @property
     def batch(self) -> torch.Size:
@@ -41,16 +43,20 @@ class Operand(NamedTuple):
     def of(cls, bsr: torch.Tensor, op: str = "bsrkit", name: str = "bsr") -> Operand:
         """The operand of a BSR tensor, its pattern validated (once per pattern: see
         :func:`bsrkit.plans.check_pattern`); ``op`` and ``name`` word the ``ValueError`` for a malformed
-        one."""
+        one. The same object for repeated calls with the same, unchanged tensor (see
+        :func:`bsrkit.plans.operand_by_wrapper`)."""
+        kept = plans.operand_by_wrapper(bsr)
+        if kept is not None:
+            return kept
         M, K = bsr.shape[-2:]
-        crow, col, values = bsr.crow_indices(), bsr.col_indices(), bsr.values()
-        seen = plans.pattern_by_wrapper(bsr, crow, col, values)  # this very tensor, unchanged since
-        if seen is not None:
-            return cls(crow, col, values, M, K, seen[0], 0, seen[1])
+        version = None if bsr.is_inference() else bsr._version  # (read first: a change since is a miss)
+        # (values() is a view whose base is bsr: the kept operand holds it detached, or bsr would never die)
+        crow, col, values = bsr.crow_indices(), bsr.col_indices(), bsr.values().detach()
         # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).
         a = cls.parts(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)), op, name)
-        assert a.pattern is not None
-        plans.remember_wrapper(bsr, crow, col, values, a.source, a.pattern)
+        if version is not None:
+            a = a._replace(calls={})
+            plans.remember_wrapper(bsr, version, a)
         return a
 
     @classmethod

@@ -64,7 +64,8 @@ def bsr_dense_mm(
     ``max_grid`` (a tuple of three ints or Nones, which torch uses to cut its 3-D launch grid) has nothing
     to bound: bsrkit's Triton grids are 1-D, within the hardware limit for any size.
     """
-    check_max_grid("bsr_dense_mm", max_grid)
+    if max_grid is not None:
+        check_max_grid("bsr_dense_mm", max_grid)
     return checked_addmm("bsr_dense_mm", None, bsr, dense, beta=0.0, alpha=1.0, out=out, meta=meta)
 
 
@@ -180,11 +181,11 @@ def checked_addmm(
             if len(_valid_calls) >= _VALID_CALLS_MAX:
                 _valid_calls.clear()
             _valid_calls[signature] = verdict
-    differentiable, backend, batch, out_shape, out_dtype, K = verdict
+    differentiable, backend, batch, out_shape, out_dtype, K, out_numel, like_dense = verdict
     beta, alpha = float(beta), float(alpha)  # (checked real numbers; -0.0 and 0.0 share a verdict)
     # The sparse operand, or None when nothing is stored (no plan is fetched for an empty product).
     a = None
-    if math.prod(out_shape):
+    if out_numel:
         a = Operand.of(bsr, op)  # validates the pattern (once per pattern)
         if not (K and a.nnz and alpha):
             a = None
@@ -195,7 +196,18 @@ def checked_addmm(
             op, backend, input, bsr, dense, left, right, a, batch, beta, alpha, meta
         )
     if out is None:
-        out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
+        # (like dense: through its dtype and device, 0.5-1 µs cheaper than torch.empty's keywords)
+        if a is None and input is None and left is None and right is None and math.isfinite(alpha):
+            # Nothing contributes (no stored block, K == 0 or alpha == 0): what dispatch.addmm would give.
+            if like_dense:
+                return dense.new_zeros(out_shape)
+            return torch.zeros(out_shape, dtype=out_dtype, device=dense.device)
+        if like_dense == _SAME_SHAPE:
+            out = torch.empty_like(dense, memory_format=torch.contiguous_format)
+        elif like_dense:
+            out = dense.new_empty(out_shape)
+        else:
+            out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
     elif (
         out.numel()
         and dense.numel()
@@ -203,32 +215,39 @@ def checked_addmm(
     ):
         # The kernels read dense while writing out: shared memory would give a silently wrong result.
         raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
-    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
+    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, verdict)
 
 
 # A call's verdict depends only on its metadata (types, layouts, dtypes, devices, shapes, scalars, grad
 # mode, the forced backend), not on data: a call like an earlier valid one (the common repeated product)
 # skips the checks. Only calls without input, scales and meta are remembered (their signature is cheap).
+# Each verdict is a distinct object per signature: dispatch.addmm keeps prepared calls by its identity.
 _valid_calls: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 _VALID_CALLS_MAX = 1024
-
-
-def _tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
-    return (type(t), t.layout, t.dtype, t.device, t.shape, t.requires_grad)
 
 
 def _call_signature(
     op: str, transpose: bool, bsr: Any, dense: Any, out: Any, beta: Any, alpha: Any
 ) -> tuple[Any, ...] | None:
-    """What :func:`_validate_addmm`'s verdict depends on, or None for arguments it would reject anyway."""
+    """What :func:`_validate_addmm`'s verdict depends on, or None for arguments it would reject anyway:
+    per tensor its type, layout, dtype, device, shape and ``requires_grad`` (one flat tuple: this runs
+    on every product)."""
     if not (isinstance(bsr, torch.Tensor) and isinstance(dense, torch.Tensor)):
         return None
-    if bsr.layout is not torch.sparse_bsr or not (out is None or isinstance(out, torch.Tensor)):
+    if bsr.layout is not torch.sparse_bsr:
+        return None
+    if out is None:
+        out_signature: Any = None
+    elif isinstance(out, torch.Tensor):
+        out_signature = (type(out), out.layout, out.dtype, out.device, out.shape, out.requires_grad)
+    else:
         return None
     return (
         op, transpose, type(beta), beta, type(alpha), alpha, torch.is_grad_enabled(),
-        dispatch.forced_backend(), bsr.dense_dim(), *_tensor_signature(bsr), *_tensor_signature(dense),
-        None if out is None else _tensor_signature(out),
+        dispatch.forced_backend(), bsr.dense_dim(),
+        type(bsr), bsr.dtype, bsr.device, bsr.shape, bsr.requires_grad,
+        type(dense), dense.layout, dense.dtype, dense.device, dense.shape, dense.requires_grad,
+        out_signature,
     )  # fmt: skip
 
 
@@ -246,7 +265,8 @@ def _validate_addmm(
     right: torch.Tensor | None,
 ) -> tuple[Any, ...]:
     """Check every argument of :func:`checked_addmm` but the pattern (see :meth:`Operand.of`) and the
-    memory of ``out``; return ``(differentiable, backend, batch, out shape, out dtype, K)``."""
+    memory of ``out``; return ``(differentiable, backend, batch, out shape, out dtype, K, out numel,
+    like_dense)``."""
     differentiable = not transpose and _needs_grad(input, bsr, dense, left, right)
     if differentiable and out is not None:
         raise ValueError(
@@ -304,7 +324,14 @@ def _validate_addmm(
     check_meta(op, meta)
     if out is not None:
         check_out(op, out, out_shape, out_dtype, dense.device)
-    return differentiable, backend, batch, out_shape, out_dtype, K
+    # How an output is allocated like dense (a plain tensor of out's dtype), if it can be.
+    like_dense = 0
+    if out_dtype is dense.dtype and type(dense) is torch.Tensor:
+        like_dense = _SAME_SHAPE if out_shape == tuple(dense.shape) else _SAME_DTYPE
+    return differentiable, backend, batch, out_shape, out_dtype, K, math.prod(out_shape), like_dense
+
+
+_SAME_DTYPE, _SAME_SHAPE = 1, 2
 
 
 # -- sampled dense-dense products (SDDMM) ------------------------------------------------------------

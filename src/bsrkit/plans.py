@@ -103,66 +103,48 @@ def cache_clear() -> None:
     _plan.cache_clear()  # type: ignore[attr-defined]
 
 
-# -- the verdict by wrapper: a product with the same BSR tensor object as an earlier one ------------------
+# -- the operand by wrapper: a product with the same BSR tensor object as an earlier one ------------------
 #
-# A weight used in many products is usually the same Python object each time. Its verdict (and the plans
-# it holds) is then found without building its TensorKey and taking the cache's lock (~9 µs of a tiny
-# product's ~60). The shortcut is valid while the object's index tensors are on the same storages (the
-# storage objects themselves, held weakly: an id alone could be reused) at the same offsets, with the same
-# version counters, and the values and the tensor have the same shapes (so the operand's shape checks
-# hold); it dies with the object. Inference tensors (no version counter) always take the cache.
+# A weight used in many products is usually the same Python object each time. Its operand (the index and
+# values aliases, the plans' key and the pattern's verdict, which holds the plans) is then kept and reused
+# without building its TensorKey, taking the cache's lock or fetching the members (~7 µs of a tiny
+# product). The shortcut is valid while the object has the same TensorImpl (``_cdata``) and the same
+# version counter value (``_version``):
+# - the version counter of a sparse compressed tensor is shared by the aliases its accessors return
+#   (``crow_indices()``, ``col_indices()``, ``values()``), so an in-place change through any of them bumps
+#   it, and so does every op that gives it new members (``copy_``, ``resize_as_sparse_``, ``zero_``), in
+#   inference mode too (tests/test_cache_lifetime.py checks these facts of torch);
+# - ``torch.utils.swap_tensors`` refuses a tensor with weak references (the entry holds one), and the
+#   TensorImpl comparison catches any other swap.
+# The entry dies with the object; until then it holds the aliases (memory the object holds anyway, unless
+# an op replaced its members since: then until the next product or its death). Inference tensors (no
+# version counter) always take the cache.
 
-# id(bsr) -> (ref to bsr, ref to the crow storage, ref to the col storage, state, source, pattern)
+# id(bsr) -> (ref to bsr, its TensorImpl address, its version, the operand)
 _by_wrapper: dict[int, tuple[Any, ...]] = {}
 
 
-def _wrapper_state(bsr: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor) -> Any:
-    return (
-        crow.storage_offset(), crow._version, crow.shape, col.storage_offset(), col._version, col.shape,
-        values.shape, bsr.shape,
-    )  # fmt: skip
-
-
-def pattern_by_wrapper(
-    bsr: torch.Tensor, crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor
-) -> tuple[Any, Pattern] | None:
-    """``(source, verdict)`` remembered for this very ``bsr`` (:func:`remember_wrapper`), or None when it
-    may have changed since."""
+def operand_by_wrapper(bsr: torch.Tensor) -> Any:
+    """The operand remembered for this very ``bsr`` (:func:`remember_wrapper`), or None when it may have
+    changed since."""
     seen = _by_wrapper.get(id(bsr))
-    if seen is None or seen[0]() is not bsr or crow.is_inference():
-        return None
-    if seen[1]() is not crow.untyped_storage() or seen[2]() is not col.untyped_storage():
-        return None
-    if seen[3] != _wrapper_state(bsr, crow, col, values):
+    if seen is None or seen[0]() is not bsr or seen[1] != bsr._cdata or seen[2] != bsr._version:
         return None
     state = _plan._cache_state  # type: ignore[attr-defined]
     with state.lock:  # (counted as the cache hit it stands for)
         state.hits += 1
-    return seen[4], seen[5]
+    return seen[3]
 
 
-def remember_wrapper(
-    bsr: torch.Tensor,
-    crow: torch.Tensor,
-    col: torch.Tensor,
-    values: torch.Tensor,
-    source: Any,
-    pattern: Pattern,
-) -> None:
-    """Remember ``bsr``'s validated ``(source, pattern)`` for :func:`pattern_by_wrapper`."""
-    if crow.is_inference() or col.is_inference():
-        return
-    try:
-        crow_storage, col_storage = crow.untyped_storage(), col.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # no storage (e.g. wrapper subclasses): no shortcut
+def remember_wrapper(bsr: torch.Tensor, version: int, operand: Any) -> None:
+    """Remember ``bsr``'s validated operand (built from its members when its version was ``version``)
+    for :func:`operand_by_wrapper`. ``operand`` must not hold ``bsr`` itself (the entry would never die)."""
+    if bsr.is_inference():
         return
     # The entry goes when the object dies, by a C function (no Python code runs in a weakref callback:
     # see bsrkit.cache); its id cannot be reused before that, as the callback runs while it is freed.
     forget = functools.partial(_by_wrapper.pop, id(bsr))  # called as pop(id, ref)
-    _by_wrapper[id(bsr)] = (
-        weakref.ref(bsr, forget), weakref.ref(crow_storage), weakref.ref(col_storage),
-        _wrapper_state(bsr, crow, col, values), source, pattern,
-    )  # fmt: skip
+    _by_wrapper[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand)
 
 
 class MalformedPatternError(ValueError):

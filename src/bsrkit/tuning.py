@@ -42,6 +42,7 @@ __all__ = [
     "load_table",
     "lookup",
     "resolve",
+    "resolve_state",
     "save_entries",
     "scatter_mm_meta",
     "table_key",
@@ -63,8 +64,10 @@ _USER_TABLE: list[Path] = []
 def default_table_path() -> Path:
     """``$BSRKIT_TUNING_TABLE``, else ``tuning.json`` in the user cache directory."""
     env = getenv(TABLE_ENV)
-    if env:
-        return Path(env)
+    return Path(env) if env else _user_table()
+
+
+def _user_table() -> Path:
     if not _USER_TABLE:
         import platformdirs
 
@@ -110,7 +113,7 @@ def _caller_level() -> int:
 
 def load_table(path: Path | str | None = None) -> dict[str, dict[str, Any]]:
     """The entries of a tuning table ({} when missing, corrupt or foreign; the latter two warn once)."""
-    name = str(path) if path is not None else getenv(TABLE_ENV) or str(default_table_path())
+    name = str(path) if path is not None else getenv(TABLE_ENV) or str(_user_table())
     now = time.monotonic()
     cached = _loaded.get(name)
     if cached is not None and now - cached[1] < _RECHECK_SECONDS:
@@ -252,6 +255,13 @@ def resolve(
         _resolved[memo] = (entries, _warned, params)
         return dict(params)
     return _resolve_unmemoized(backend, op, device, dtype, shape, blocksize, meta)
+
+
+def resolve_state() -> tuple[dict[str, Any], set[str]]:
+    """What :func:`resolve` (without ``meta``) depends on beyond its arguments and torch's thread count:
+    the table's entries and the set of warnings given, as objects (a result is valid while both are the
+    same objects)."""
+    return load_table(), _warned
 
 
 # (backend, op, device, dtype, shape, blocksize, threads) -> (table, warnings given, params)

@@ -87,9 +87,12 @@ class Backend(Protocol):
         alpha: float,
         overwrite: bool,
         params: dict[str, Any],
-    ) -> None:
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
         """``out = alpha * a @ dense`` (``overwrite``) or ``out += alpha * a @ dense``, for every batch
-        index. Called only with ``nnz > 0``, ``K > 0`` and a non-empty ``out``."""
+        index. Called only with ``nnz > 0``, ``K > 0`` and a non-empty ``out``. May return a prepared
+        call ``rerun(values, dense, out)`` that repeats this product for operands of the same layouts
+        (shapes, strides, offsets, dtypes) at other data addresses, with the same ``a`` indices,
+        ``batch``, ``alpha``, ``overwrite`` and ``params`` (see :func:`bsrkit.dispatch.addmm`)."""
         ...
 
     def sampled(

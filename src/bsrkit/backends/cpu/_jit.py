@@ -32,8 +32,11 @@ calls with a lock (not every layer is thread-safe).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import inspect
+import threading
 import types as types_module
 from typing import Any
 
@@ -1037,8 +1040,183 @@ def _serial(parallel: Any, name: str) -> Any:
     return _njit(nogil=True)(copy)
 
 
-bsr_mm_serial = _serial(bsr_mm, "bsr_mm_serial")
-bsr_mm_small_serial = _serial(bsr_mm_small, "bsr_mm_small_serial")
+# -- C entries of the bsr @ dense serial twins: one packed argument block --------------------------------
+#
+# A tiny product takes tens of microseconds, and numba's dispatcher, which types and unboxes each of a
+# loop's 25-36 arguments on every call, took ~2 µs of it. So the serial twins of ``bsr_mm`` and
+# ``bsr_mm_small`` are C functions (numba ``cfunc``, cached on disk like the loops) of four int64s: the
+# address of a packed argument block and the three data addresses that change from call to call (blocks,
+# dense, out). A caller packs the block once (:meth:`_PackedEntry.pack`) and keeps it; a call through a
+# ctypes function pointer costs ~0.4 µs. The entries unpack and call the loop itself (its serial copy), so
+# that the arithmetic is the loop's: a change of a loop's arguments must be mirrored in its entry.
+#
+# The block: ``_SLOTS`` int64 slots per argument, argument i at ``_SLOTS * i``: an int or bool there, a
+# float's bits, or an array's address and extents (1-D: n0; 2-D: n0, n1). Arrays are C-contiguous int64
+# (``cum``: float64), kept alive by the caller as long as the block.
+
+_SLOTS = 3
+
+
+@intrinsic
+def _int64_pointer(typingctx, address):
+    """``address`` (int64) as a pointer to int64."""
+    _check_scalars((address,))
+
+    def codegen(context, builder, signature, llargs):
+        ptr = context.get_value_type(signature.return_type)
+        return builder.inttoptr(context.cast(builder, llargs[0], signature.args[0], types.int64), ptr)
+
+    return types.CPointer(types.int64)(address), codegen
+
+
+@numba.njit(nogil=True, cache=False)
+def _slot_ints1(p, i):
+    return numba.carray(_int64_pointer(p[_SLOTS * i]), (p[_SLOTS * i + 1],))
+
+
+@numba.njit(nogil=True, cache=False)
+def _slot_ints2(p, i):
+    return numba.carray(_int64_pointer(p[_SLOTS * i]), (p[_SLOTS * i + 1], p[_SLOTS * i + 2]))
+
+
+@numba.njit(nogil=True, cache=False)
+def _slot_floats2(p, i):
+    return numba.carray(_typed_pointer(p[_SLOTS * i], np.float64(0)), (p[_SLOTS * i + 1], p[_SLOTS * i + 2]))
+
+
+@numba.njit(nogil=True, cache=False)
+def _slot_float(p, i):
+    return p[_SLOTS * i : _SLOTS * i + 1].view(np.float64)[0]
+
+
+def _serial_body(parallel: Any, name: str) -> Any:
+    """The loop compiled without a parallel region, uncached: linked into the entry that calls it."""
+    fn = parallel.py_func
+    copy = types_module.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = name
+    return numba.njit(nogil=True, cache=False)(copy)
+
+
+_bsr_mm_body = _serial_body(bsr_mm, "_bsr_mm_body")
+_bsr_mm_small_body = _serial_body(bsr_mm_small, "_bsr_mm_small_body")
+
+
+def _bsr_mm_entry(block, a_addr, b_addr, c_addr):  # (compiled by _PackedEntry)
+    p = numba.carray(_int64_pointer(block), (36 * _SLOTS,))
+    _bsr_mm_body(
+        p[0], _slot_ints2(p, 1), _slot_ints2(p, 2), _slot_floats2(p, 3), _slot_ints1(p, 4), p[5 * _SLOTS],
+        a_addr, _slot_ints1(p, 7), p[8 * _SLOTS], p[9 * _SLOTS] != 0, p[10 * _SLOTS],
+        b_addr, _slot_ints1(p, 12), p[13 * _SLOTS] != 0, p[14 * _SLOTS], p[15 * _SLOTS], p[16 * _SLOTS],
+        c_addr, _slot_ints1(p, 18), p[19 * _SLOTS], p[20 * _SLOTS], p[21 * _SLOTS] != 0, p[22 * _SLOTS],
+        p[23 * _SLOTS], p[24 * _SLOTS], p[25 * _SLOTS], p[26 * _SLOTS], _slot_float(p, 27),
+        p[28 * _SLOTS] != 0, p[29 * _SLOTS], p[30 * _SLOTS],
+        p[31 * _SLOTS], p[32 * _SLOTS], p[33 * _SLOTS], p[34 * _SLOTS], p[35 * _SLOTS],
+    )  # fmt: skip
+
+
+def _bsr_mm_small_entry(block, a_addr, x_addr, c_addr):  # (compiled by _PackedEntry)
+    p = numba.carray(_int64_pointer(block), (25 * _SLOTS,))
+    _bsr_mm_small_body(
+        p[0], _slot_ints2(p, 1), _slot_ints2(p, 2), _slot_floats2(p, 3), _slot_ints1(p, 4), p[5 * _SLOTS],
+        a_addr, _slot_ints1(p, 7), p[8 * _SLOTS], p[9 * _SLOTS], p[10 * _SLOTS],
+        x_addr, _slot_ints1(p, 12), p[13 * _SLOTS], p[14 * _SLOTS] != 0,
+        c_addr, _slot_ints1(p, 16), p[17 * _SLOTS], p[18 * _SLOTS],
+        p[19 * _SLOTS], p[20 * _SLOTS], p[21 * _SLOTS], p[22 * _SLOTS], _slot_float(p, 23),
+        p[24 * _SLOTS] != 0,
+    )  # fmt: skip
+
+
+class _EntryStats:
+    """numba's dispatcher statistics, as :func:`kernels.compile_cache_info` reads them."""
+
+    def __init__(self, cache_path: str | None, hits: int, misses: int) -> None:
+        self.cache_path = cache_path
+        self.cache_hits = {(): hits}
+        self.cache_misses = {(): misses}
+
+
+class _PackedEntry:
+    """A serial twin behind its C entry: ``c_call(block, a, b, c)`` (a ctypes function pointer, compiled
+    or loaded from the on-disk cache at first use); :meth:`pack` makes a block; calling the object with a
+    loop's full argument list packs and runs it (what a call without a kept block does)."""
+
+    def __init__(self, entry: Any, name: str, kinds: str, data_at: tuple[int, int, int]) -> None:
+        self._entry = entry
+        self.__name__ = name
+        self._kinds = kinds  # per argument: i int, b bool, f float; 1, 2 int64 arrays, F float64 2-D
+        self.data_at = data_at
+        self._cfunc: Any = None
+        self._c_call: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def c_call(self) -> Any:
+        if self._c_call is None:
+            with self._lock:
+                if self._c_call is None:
+                    self._c_call = self._compile()
+        return self._c_call
+
+    def _compile(self) -> Any:
+        from numba.core.ccallback import CFunc
+
+        cfunc: Any = CFunc(self._entry, ((types.int64,) * 4, types.void), {}, {})
+        with contextlib.suppress(RuntimeError):  # (no writable cache location, see _njit: in memory)
+            cfunc._cache = _QuickLoadCache(self._entry)
+        cfunc.compile()
+        self._cfunc = cfunc
+        # CFUNCTYPE: the call releases the GIL while the loop runs, as the nogil loops do.
+        prototype = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+        return prototype(cfunc.address)
+
+    def pack(self, args: Any) -> np.ndarray:
+        """The block of a full argument list (its data addresses are not read: they travel per call)."""
+        if len(args) != len(self._kinds):
+            raise TypeError(f"{self.__name__}(): expected {len(self._kinds)} arguments, got {len(args)}")
+        block = np.zeros(len(args) * _SLOTS, np.int64)
+        for i, (kind, value) in enumerate(zip(self._kinds, args, strict=True)):
+            at = i * _SLOTS
+            if kind == "f":
+                block[at : at + 1].view(np.float64)[0] = value
+            elif kind in "12F":
+                dtype, ndim = (np.float64, 2) if kind == "F" else (np.int64, int(kind))
+                if (
+                    not isinstance(value, np.ndarray)
+                    or value.dtype != dtype
+                    or value.ndim != ndim
+                    or not value.flags.c_contiguous
+                ):
+                    raise TypeError(f"{self.__name__}(): expected argument {i} a C-contiguous {dtype} array")
+                block[at] = value.ctypes.data
+                block[at + 1 : at + 1 + value.ndim] = value.shape
+            else:
+                block[at] = int(value)
+        return block
+
+    def __call__(self, *args: Any) -> None:
+        block = self.pack(args)
+        a, b, c = self.data_at
+        self.c_call(block.ctypes.data, args[a], args[b], args[c])
+
+    @property
+    def signatures(self) -> list[Any]:
+        return [] if self._cfunc is None else [self._cfunc._sig]
+
+    @property
+    def stats(self) -> _EntryStats:
+        cfunc = self._cfunc
+        if cfunc is None:
+            return _EntryStats(None, 0, 0)
+        path = getattr(cfunc._cache, "cache_path", None)
+        return _EntryStats(path, cfunc.cache_hits, 1 - cfunc.cache_hits)
+
+
+_BSR_MM_KINDS = "i22F1i" + "i1ibi" + "i1bii" + "i" + "i1iibi" + "iiiifbii" + "iiiii"
+bsr_mm_serial = _PackedEntry(_bsr_mm_entry, "bsr_mm_serial", _BSR_MM_KINDS, (6, 11, 17))
+_BSR_MM_SMALL_KINDS = "i22F1i" + "i1iii" + "i1ib" + "i1ii" + "iiiifb"
+bsr_mm_small_serial = _PackedEntry(
+    _bsr_mm_small_entry, "bsr_mm_small_serial", _BSR_MM_SMALL_KINDS, (6, 11, 15)
+)
 sampled_serial = _serial(sampled, "sampled_serial")
 scatter_mm_serial = _serial(scatter_mm, "scatter_mm_serial")
 

@@ -13,7 +13,7 @@ import math
 import os
 import platform
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -76,38 +76,58 @@ def _marshal_signature(
     )  # fmt: skip
 
 
+# A prepared call: ``rerun(values, dense, out)`` runs a product with the layouts it was prepared for.
+Rerun = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
 def _run_kept(
-    kernel: Any, plan: plans.CpuMMPlan, signature: tuple[Any, ...], values: torch.Tensor,
-    dense: torch.Tensor, out: torch.Tensor, out_at: int,
-) -> bool:  # fmt: skip
-    """Run the argument list kept for ``signature`` with this call's data addresses patched in; False
-    when none is kept (on a tiny product the marshaling is most of a call's cost)."""
-    kept = plan.calls.get(signature)
-    if kept is None:
-        return False
-    full_args, values_at, dense_at, out_offset = kept
-    full_args = full_args.copy()
-    full_args[6] = values.data_ptr() - values_at
-    full_args[11] = dense.data_ptr() - dense_at
-    full_args[out_at] = out.data_ptr() - out_offset
-    _run(kernel.run_prepared, full_args[5], full_args)
-    return True
+    plan: plans.CpuMMPlan, signature: tuple[Any, ...], values: torch.Tensor, dense: torch.Tensor,
+    out: torch.Tensor,
+) -> Rerun | None:  # fmt: skip
+    """Run the call kept for ``signature`` with this call's data addresses and return it; None when none
+    is kept (on a tiny product the marshaling is most of a call's cost)."""
+    rerun = plan.calls.get(signature)
+    if rerun is not None:
+        rerun(values, dense, out)
+    return rerun
 
 
 def _keep(
-    plan: plans.CpuMMPlan, signature: tuple[Any, ...], full_args: list[Any], values: torch.Tensor,
-    dense: torch.Tensor, out: torch.Tensor, out_at: int,
-) -> None:  # fmt: skip
-    """Keep ``full_args`` for :func:`_run_kept`, with each operand's address relative to its data (the
-    operands were passed uncopied: their storages are the ones addressed)."""
+    kernel: Any, plan: plans.CpuMMPlan, signature: tuple[Any, ...], full_args: list[Any],
+    values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, out_at: int,
+) -> Rerun:  # fmt: skip
+    """Keep ``full_args`` for :func:`_run_kept` as a call that patches in the data addresses (each
+    relative to its operand's data: the operands were passed uncopied, so their storages are the ones
+    addressed) and return it. A serial call keeps the packed block of its C entry (see
+    ``_jit._PackedEntry``), which addresses the arrays of ``full_args``: the call holds both."""
     if len(plan.calls) >= _PREPARED_CALLS:
         plan.calls.clear()
-    plan.calls[signature] = (
-        full_args,
-        values.data_ptr() - full_args[6],
-        dense.data_ptr() - full_args[11],
-        out.data_ptr() - full_args[out_at],
-    )
+    values_at = values.data_ptr() - full_args[6]
+    dense_at = dense.data_ptr() - full_args[11]
+    out_offset = out.data_ptr() - full_args[out_at]
+    rerun: Rerun
+    if full_args[5] == 1:
+        block = kernel.serial.pack(full_args)
+        c_call, address = kernel.serial.c_call, block.ctypes.data
+
+        def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor) -> None:
+            a_addr, b_addr = values.data_ptr() - values_at, dense.data_ptr() - dense_at
+            c_addr = out.data_ptr() - out_offset
+            with _KERNEL_LOCK:
+                c_call(address, a_addr, b_addr, c_addr)
+
+        rerun.keep = (block, full_args)  # type: ignore[attr-defined]  # (what the block addresses)
+
+    else:
+
+        def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor) -> None:
+            args = full_args.copy()  # (another thread may run the same call: patch a copy)
+            args[6], args[11] = values.data_ptr() - values_at, dense.data_ptr() - dense_at
+            args[out_at] = out.data_ptr() - out_offset
+            _run(kernel.run_prepared, args[5], args)
+
+    plan.calls[signature] = rerun
+    return rerun
 
 
 _numba_threads = threading.local()  # numba's thread count is per calling thread: remember what we set
@@ -271,15 +291,16 @@ def _addmm_small(
     alpha: float,
     overwrite: bool,
     nthreads: int,
-) -> None:
+) -> Rerun | None:
     """``addmm`` on the vector loops for few columns (see :func:`kernels.bsr_mm_small_kernel`): dense is
     copied (zero-padded) into the layout they read unless it has it already; blocks and out never are."""
     values = a.values
     kernel = kernels.bsr_mm_small_kernel()
     plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
     signature = _marshal_signature(values, dense, out, "small", batch, alpha, overwrite, nthreads)
-    if _run_kept(kernel, plan, signature, values, dense, out, _SMALL_OUT_AT):
-        return
+    rerun = _run_kept(plan, signature, values, dense, out)
+    if rerun is not None:
+        return rerun
     N = dense.shape[-1]
     Ms, Ks = values.shape[-2:]
     K = dense.shape[-2]
@@ -318,8 +339,11 @@ def _addmm_small(
     )  # fmt: skip
     full_args = kernel.prepare(*args)
     if x.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr():  # (dense was not copied)
-        _keep(plan, signature, full_args, values, dense, out, _SMALL_OUT_AT)
+        rerun = _keep(kernel, plan, signature, full_args, values, dense, out, _SMALL_OUT_AT)
+        rerun(values, dense, out)
+        return rerun
     _run(kernel.run_prepared, nthreads, full_args)
+    return None
 
 
 class CpuBackend:
@@ -374,11 +398,11 @@ class CpuBackend:
         alpha: float,
         overwrite: bool,
         params: dict[str, Any],
-    ) -> None:
+    ) -> Rerun | None:
+        """See :meth:`bsrkit.backends.base.Backend.addmm`; returns the call kept for reuse, if any."""
         N = dense.shape[-1]
         if out.dtype in (torch.float32, torch.float64) and params.get("small_n", N <= _SMALL_N_MAX):
-            _addmm_small(a, dense, out, batch, alpha, overwrite, params["nthreads"])
-            return
+            return _addmm_small(a, dense, out, batch, alpha, overwrite, params["nthreads"])
         kernel = kernels.bsr_mm_kernel()
         plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
         # A call like an earlier one (same layouts, scalars, parameters) reuses its marshaled arguments,
@@ -387,8 +411,9 @@ class CpuBackend:
         signature = _marshal_signature(
             values, dense, out, batch, alpha, overwrite, params["panel"], params["nthreads"]
         )
-        if _run_kept(kernel, plan, signature, values, dense, out, _GEMM_OUT_AT):
-            return
+        rerun = _run_kept(plan, signature, values, dense, out)
+        if rerun is not None:
+            return rerun
         Ms, Ks = values.shape[-2:]
         values, a_rowmajor, lda = _blas_operand(values)
         original_dense = dense
@@ -417,10 +442,13 @@ class CpuBackend:
         )  # fmt: skip
         full_args = kernel.prepare(*args)
         if values is a.values and dense is original_dense and target is out:  # (no copies were needed)
-            _keep(plan, signature, full_args, values, dense, out, _GEMM_OUT_AT)
+            rerun = _keep(kernel, plan, signature, full_args, values, dense, out, _GEMM_OUT_AT)
+            rerun(values, dense, out)
+            return rerun
         _run(kernel.run_prepared, nthreads, full_args)
         if target is not out:
             out.copy_(target)
+        return None
 
     def sampled(
         self,

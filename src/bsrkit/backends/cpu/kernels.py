@@ -175,6 +175,7 @@ def _bind(
     run.__name__ = run.__qualname__ = name
     run.prepare = prepare  # type: ignore[attr-defined]
     run.run_prepared = run_prepared  # type: ignore[attr-defined]
+    run.serial = serial  # type: ignore[attr-defined]
     return run
 
 
@@ -232,6 +233,7 @@ def bsr_mm_small_kernel() -> Any:  # Callable[..., None] with .prepare and .run_
 
     run.prepare = prepare  # type: ignore[attr-defined]
     run.run_prepared = run_prepared  # type: ignore[attr-defined]
+    run.serial = _jit.bsr_mm_small_serial  # type: ignore[attr-defined]
     return run
 
 
