@@ -101,10 +101,11 @@ def test_batched_and_broadcast(small, bsr_batch, dense_batch):
         assert_close(got, reference.bsr_dense_mm(bsr, dense), k=48)
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial entry", "parallel loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_two_row_major_columns_are_read_in_place(monkeypatch, dtype):
+def test_two_row_major_columns_are_read_in_place(monkeypatch, dtype, parallel):
     """N = 2, row-major: the two-column loop reads dense as it is (DOT_PAIRS), without the transposed copy
-    the other layouts take, and the marshaled arguments are kept for the next call (no second prepare)."""
+    the other layouts take, on the serial C entry and in the parallel loop; prepared once, then reused."""
     from types import SimpleNamespace
 
     from bsrkit.backends.cpu import kernels
@@ -113,23 +114,24 @@ def test_two_row_major_columns_are_read_in_place(monkeypatch, dtype):
     seen = []
 
     def prepare(*args):
-        seen.append((args[14], args[11]))
+        seen.append((args[14], args[11], args[5]))
         return real.prepare(*args)
 
-    monkeypatch.setattr(
-        kernels,
-        "bsr_mm_small_kernel",
-        lambda: SimpleNamespace(prepare=prepare, run_prepared=real.run_prepared),
-    )
+    spy = SimpleNamespace(prepare=prepare, run_prepared=real.run_prepared, serial=real.serial)
+    monkeypatch.setattr(kernels, "bsr_mm_small_kernel", lambda: spy)
+    meta = None
+    if parallel:  # (products this small run serially unless the cut-off says otherwise)
+        monkeypatch.setattr(cpu_backend, "_SERIAL_WORK", 0)
+        meta = {"nthreads": 2}
     g = torch.Generator().manual_seed(11)
     bsr = random_bsr((72, 96), (24, 16), 0.5, dtype, empty_rows=(1,), generator=g)  # Ms = 24: 6 row quads
     dense = torch.randn((96, 2), generator=g).to(dtype)
     for _ in range(2):
-        assert_close(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=96)
-    assert seen == [(kernels.DOT_PAIRS, dense.data_ptr())]
+        assert_close(bsrkit.bsr_dense_mm(bsr, dense, meta=meta), reference.bsr_dense_mm(bsr, dense), k=96)
+    assert seen == [(kernels.DOT_PAIRS, dense.data_ptr(), 2 if parallel else 1)]
     odd = random_bsr((45, 32), (9, 8), 0.5, dtype, generator=g)  # Ms % 4 = 1: the one-row remainder
-    dense = torch.randn((32, 2), generator=g).to(dtype)
-    assert_close(bsrkit.bsr_dense_mm(odd, dense), reference.bsr_dense_mm(odd, dense), k=32)
+    dense = torch.randn((3, 32, 2), generator=g).to(dtype)  # batched, broadcast over the blocks
+    assert_close(bsrkit.bsr_dense_mm(odd, dense, meta=meta), reference.bsr_dense_mm(odd, dense), k=32)
     assert seen[-1][0] == kernels.DOT_PAIRS
 
 

@@ -1119,7 +1119,7 @@ def _bsr_mm_small_entry(block, a_addr, x_addr, c_addr):  # (compiled by _PackedE
     _bsr_mm_small_body(
         p[0], _slot_ints2(p, 1), _slot_ints2(p, 2), _slot_floats2(p, 3), _slot_ints1(p, 4), p[5 * _SLOTS],
         a_addr, _slot_ints1(p, 7), p[8 * _SLOTS], p[9 * _SLOTS], p[10 * _SLOTS],
-        x_addr, _slot_ints1(p, 12), p[13 * _SLOTS], p[14 * _SLOTS] != 0,
+        x_addr, _slot_ints1(p, 12), p[13 * _SLOTS], p[14 * _SLOTS],  # (dot: a DOT_* mode, not a bool)
         c_addr, _slot_ints1(p, 16), p[17 * _SLOTS], p[18 * _SLOTS],
         p[19 * _SLOTS], p[20 * _SLOTS], p[21 * _SLOTS], p[22 * _SLOTS], _slot_float(p, 23),
         p[24 * _SLOTS] != 0,
@@ -1213,7 +1213,7 @@ class _PackedEntry:
 
 _BSR_MM_KINDS = "i22F1i" + "i1ibi" + "i1bii" + "i" + "i1iibi" + "iiiifbii" + "iiiii"
 bsr_mm_serial = _PackedEntry(_bsr_mm_entry, "bsr_mm_serial", _BSR_MM_KINDS, (6, 11, 17))
-_BSR_MM_SMALL_KINDS = "i22F1i" + "i1iii" + "i1ib" + "i1ii" + "iiiifb"
+_BSR_MM_SMALL_KINDS = "i22F1i" + "i1iii" + "i1ii" + "i1ii" + "iiiifb"
 bsr_mm_small_serial = _PackedEntry(
     _bsr_mm_small_entry, "bsr_mm_small_serial", _BSR_MM_SMALL_KINDS, (6, 11, 15)
 )
