@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import time
 
 import numba
 import numpy as np
@@ -24,6 +23,8 @@ import torch
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+
+from bsrkit.benchmarking import min_seconds
 
 _I8P = ir.IntType(8).as_pointer()
 
@@ -52,17 +53,24 @@ _call4, _call9, _call12, _call13 = (
 
 
 @numba.njit(nogil=True)
-def _repeat_gemm(gemm, reps, m, n, k, a, lda, b, ldb, c, ldc):
-    """``reps`` calls of Fortran sgemm: C (m x n, ldc) += A (m x k, lda) @ B (k x n, ldb), column-major."""
-    state = np.zeros(12, np.int32)  # ints m, n, k, lda, ldb, ldc; alpha, beta; chars at byte 36
-    p = state.ctypes.data
+def _gemm_state(m, n, k, lda, ldb, ldc, char0, char1, char2):
+    """Fortran gemm's scalars, all passed by address: int32 m, n, k, lda, ldb, ldc at bytes 0-23, float32
+    alpha = beta = 1 at 24 and 28, three flag characters at 36-38."""
+    state = np.zeros(12, np.int32)
     state[0], state[1], state[2], state[3], state[4], state[5] = m, n, k, lda, ldb, ldc
     reals = state[6:8].view(np.float32)
     reals[0] = 1.0
     reals[1] = 1.0
     chars = state[9:10].view(np.uint8)
-    chars[0] = 78
-    chars[1] = 78
+    chars[0], chars[1], chars[2] = char0, char1, char2
+    return state
+
+
+@numba.njit(nogil=True)
+def _repeat_gemm(gemm, reps, m, n, k, a, lda, b, ldb, c, ldc):
+    """``reps`` calls of Fortran sgemm: C (m x n, ldc) += A (m x k, lda) @ B (k x n, ldb), column-major."""
+    state = _gemm_state(m, n, k, lda, ldb, ldc, 78, 78, 0)  # 'N', 'N'
+    p = state.ctypes.data
     for _ in range(reps):
         _call13(gemm, (p + 36, p + 37, p, p + 4, p + 8, p + 24, a, p + 12, b, p + 16, p + 28, c, p + 20))
     state[0] = 0  # (keeps the buffer alive past the last call: numba frees an array after its last use)
@@ -71,16 +79,8 @@ def _repeat_gemm(gemm, reps, m, n, k, a, lda, b, ldb, c, ldc):
 @numba.njit(nogil=True)
 def _repeat_packed(pack, compute, reps, m, n, k, a, lda, packed, b, ldb, c, ldc):
     """``sgemm_pack`` of A once, then ``reps`` calls of ``sgemm_compute`` with it (beta = 1)."""
-    state = np.zeros(12, np.int32)
+    state = _gemm_state(m, n, k, lda, ldb, ldc, 65, 78, 80)  # 'A' (the packed operand), 'N', 'P' (packed)
     p = state.ctypes.data
-    state[0], state[1], state[2], state[3], state[4], state[5] = m, n, k, lda, ldb, ldc
-    reals = state[6:8].view(np.float32)
-    reals[0] = 1.0
-    reals[1] = 1.0
-    chars = state[9:10].view(np.uint8)
-    chars[0] = 65  # 'A': the packed operand
-    chars[1] = 78  # 'N'
-    chars[2] = 80  # 'P': packed
     _call9(pack, (p + 36, p + 37, p, p + 4, p + 8, p + 24, a, p + 12, packed))
     for _ in range(reps):
         _call12(compute, (p + 38, p + 37, p, p + 4, p + 8, packed, p + 12, b, p + 16, p + 28, c, p + 20))
@@ -101,13 +101,7 @@ def _packed_bytes(get_size, m, n, k):
 
 
 def _rate(fn, flops: float, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return flops / best / 1e9
+    return flops / min_seconds(fn, repeats) / 1e9
 
 
 def main() -> None:

@@ -14,29 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import warnings
-from collections.abc import Callable
 
 import torch
 
 import bsrkit
-from bsrkit.benchmarking import median_seconds, random_bsr_weight
+from bsrkit.benchmarking import median_seconds, min_seconds, random_bsr_weight
 
 warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta state")
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-def min_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Fastest of ``repeats`` calls (after a warm-up): on a shared machine, the calls nobody preempted."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def copy_rate(nbytes: int, repeats: int) -> float:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["median_seconds", "random_bsr_weight"]
+__all__ = ["median_seconds", "min_seconds", "random_bsr_weight"]
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -20,6 +20,18 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def min_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest of ``repeats`` calls of ``fn()`` (after a warm-up call): on a shared machine, the calls nobody
+    preempted."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def random_bsr_weight(

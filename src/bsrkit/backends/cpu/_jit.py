@@ -532,6 +532,16 @@ def _zero_row(C, c0, c_rs, c_cs, Ms, N, zero):
 
 
 @numba.njit(nogil=True, cache=False)
+def _x_columns(X, xb, k, x_ld, pairs, Wp):
+    """X's vectors at step ``k`` of a block starting at ``xb``: columns 0 and 1 (column 0 twice when
+    ``Wp == 1``), from ``(Wp, K)`` rows ``x_ld`` apart, or from row-major ``(K, 2)`` pairs."""
+    if pairs:
+        return _vload_pairs(X, xb + 2 * k)
+    x0v = _vload(X, xb + k)
+    return x0v, (_vload(X, xb + x_ld + k) if Wp == 2 else x0v)
+
+
+@numba.njit(nogil=True, cache=False)
 def _dot_rows_in_registers(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N,
                            Wp, L, alpha, overwrite, zero):  # fmt: skip
     """:func:`_dot_row` for Wp = 1 or 2, rows outermost: four rows' partial sums (4 or 8 vectors) stay in
@@ -547,11 +557,7 @@ def _dot_rows_in_registers(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, 
             r = a0 + g * a_gs + i * a_rs
             xb = x0 + cols[g] * Ks * (2 if pairs else 1)
             for k in range(0, Ks, L):
-                if pairs:
-                    x0v, x1v = _vload_pairs(X, xb + 2 * k)
-                else:
-                    x0v = _vload(X, xb + k)
-                    x1v = _vload(X, xb + x_ld + k) if Wp == 2 else x0v
+                x0v, x1v = _x_columns(X, xb, k, x_ld, pairs, Wp)
                 a0v = _vload(A, r + k)
                 a1v = _vload(A, r + a_rs + k)
                 a2v = _vload(A, r + 2 * a_rs + k)
@@ -582,11 +588,7 @@ def _dot_rows_in_registers(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, 
             r = a0 + g * a_gs + i * a_rs
             xb = x0 + cols[g] * Ks * (2 if pairs else 1)
             for k in range(0, Ks, L):
-                if pairs:
-                    x0v, x1v = _vload_pairs(X, xb + 2 * k)
-                else:
-                    x0v = _vload(X, xb + k)
-                    x1v = _vload(X, xb + x_ld + k) if Wp == 2 else x0v
+                x0v, x1v = _x_columns(X, xb, k, x_ld, pairs, Wp)
                 a0v = _vload(A, r + k)
                 p00 = _vfma(a0v, x0v, p00)
                 if Wp == 2:
