@@ -6,24 +6,11 @@ import math
 
 import torch
 
+from bsrkit.reference import tolerances
+
 __all__ = ["DTYPES", "assert_close", "random_bsr", "tolerances"]
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-# (rtol, atol) per dtype, for products whose reference is computed in float64 and rounded once.
-_TOLERANCES = {
-    torch.float64: (1e-10, 1e-10),
-    torch.float32: (1e-5, 1e-5),
-    torch.bfloat16: (2e-2, 2e-2),
-    torch.float16: (2e-3, 2e-3),
-}
-
-
-def tolerances(dtype: torch.dtype, k: int = 1) -> dict[str, float]:
-    """Tolerances for a sum of k products (rounding error grows like sqrt(k); here linearly, safely)."""
-    rtol, atol = _TOLERANCES[dtype]
-    scale = max(1.0, k**0.5)
-    return {"rtol": rtol * scale, "atol": atol * scale}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, k: int = 1) -> None:

@@ -22,7 +22,26 @@ __all__ = [
     "sampled_addmm",
     "scaled_dot_product_attention",
     "scatter_mm",
+    "tolerances",
 ]
+
+
+# (rtol, atol) per dtype, for products whose reference is computed in float64 and rounded once. The one
+# table of tolerances: the tests and benchmarks/gpu_check.py judge every fast path by it.
+_TOLERANCES = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+def tolerances(dtype: torch.dtype, k: int = 1) -> dict[str, float]:
+    """``rtol``/``atol`` for a result in ``dtype`` that sums k products (rounding error grows like
+    sqrt(k))."""
+    rtol, atol = _TOLERANCES[dtype]
+    scale = max(1.0, k**0.5)
+    return {"rtol": rtol * scale, "atol": atol * scale}
 
 
 def bsr_to_dense(bsr: torch.Tensor) -> torch.Tensor:
