@@ -8,6 +8,12 @@ The table is JSON: ``{"format": "bsrkit-tuning", "version": 1, "entries": {key: 
 ``"<device name>|<op>|<dtype>|M,K,N|Ms x Ks"``. It lives in the user cache directory (platformdirs) unless
 ``$BSRKIT_TUNING_TABLE`` or ``--table`` names another file. A corrupt or foreign file is reported (one
 warning) and ignored, never a crash.
+
+Below the user's table, bsrkit ships tables of its own (``bsrkit/tuned/*.json``, same format) measured on
+particular devices (e.g. ``cuda:NVIDIA H200``, by ``benchmarks/gpu_check.py``). Their entries are exact
+shapes as above, or shape classes ``"<device>|<op>|<dtype>|*,*,<N class>|Ms x Ks"`` (:func:`shape_class`)
+that serve every M and K. Lookup order: the user's exact entry, the shipped exact entry, the shipped
+class entry, then the backend's defaults (with the one-time warning).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ __all__ = [
     "TABLE_ENV",
     "TuningWarning",
     "check_writable",
+    "class_key",
     "cpu_device_name",
     "cpu_mm_meta",
     "default_table_path",
@@ -45,6 +52,8 @@ __all__ = [
     "resolve_state",
     "save_entries",
     "scatter_mm_meta",
+    "shape_class",
+    "shipped_entries",
     "table_key",
     "triton_device_name",
     "triton_meta",
@@ -81,6 +90,30 @@ def table_key(
 ) -> str:
     M, K, N = shape
     return f"{device}|{op}|{str(dtype).removeprefix('torch.')}|{M},{K},{N}|{blocksize[0]}x{blocksize[1]}"
+
+
+def shape_class(N: int) -> str:
+    """The N class of a shipped class entry: decode-like products (``N <= 64`` columns: a few tokens)
+    want other tiles than wide ones."""
+    return "N<=64" if N <= 64 else "N>64"
+
+
+def class_key(device: str, op: str, dtype: torch.dtype, N: int, blocksize: tuple[int, int]) -> str:
+    """The key of a shipped class entry (any M and K; N by :func:`shape_class`)."""
+    name = str(dtype).removeprefix("torch.")
+    return f"{device}|{op}|{name}|*,*,{shape_class(N)}|{blocksize[0]}x{blocksize[1]}"
+
+
+_SHIPPED_DIR = Path(__file__).parent / "tuned"
+
+
+@functools.cache
+def shipped_entries() -> dict[str, dict[str, Any]]:
+    """The entries of every table shipped in ``bsrkit/tuned/`` (read once per process)."""
+    entries: dict[str, dict[str, Any]] = {}
+    for path in sorted(_SHIPPED_DIR.glob("*.json")):
+        entries.update(load_table(path))
+    return entries
 
 
 _lock = threading.Lock()
@@ -210,8 +243,12 @@ def lookup(
 ) -> dict[str, Any] | None:
     """Tuned parameters for this shape on ``device_name`` (default: this CPU), or None after a one-time
     warning naming the ``bsrkit tune`` command (with ``tune_flag``, e.g. ``"--backend triton "``)."""
-    key = table_key(device_name or cpu_device_name(), op, dtype, shape, blocksize)
+    device = device_name or cpu_device_name()
+    key = table_key(device, op, dtype, shape, blocksize)
     found = load_table().get(key)
+    if found is None:
+        shipped = shipped_entries()
+        found = shipped.get(key) or shipped.get(class_key(device, op, dtype, shape[2], blocksize))
     if found is None and "fallback" not in _warned:  # (checked first: the message costs ~2 µs to format)
         M, K, N = shape
         _warn_once(
