@@ -21,7 +21,7 @@ import torch
 if TYPE_CHECKING:
     from bsrkit.operand import Operand
 
-__all__ = ["KERNELS", "Backend", "ParamSpec", "int_at_least_one", "power_of_two_at_least_16"]
+__all__ = ["KERNELS", "Backend", "ParamSpec", "int_at_least_one", "power_of_two_at_least_16", "zero_or_one"]
 
 # What a backend may be asked to run (``not_supported_reasons`` names one of these). int8 products will
 # be added here, each as a method of the contract below. "softmax" covers both of its methods.
@@ -40,6 +40,7 @@ def _is_int(v: Any) -> bool:
 
 
 int_at_least_one = ParamSpec(lambda v: _is_int(v) and v >= 1, "an int >= 1")
+zero_or_one = ParamSpec(lambda v: _is_int(v) and v in (0, 1), "0 or 1")
 power_of_two_at_least_16 = ParamSpec(
     lambda v: _is_int(v) and v >= 16 and not v & (v - 1), "a power of two >= 16"
 )

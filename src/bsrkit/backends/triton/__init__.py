@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from bsrkit.backends.base import ParamSpec, int_at_least_one, power_of_two_at_least_16
+from bsrkit.backends.base import ParamSpec, int_at_least_one, power_of_two_at_least_16, zero_or_one
 from bsrkit.backends.batching import (
     block_coordinates,
     flatten_addmm,
@@ -26,6 +26,7 @@ from bsrkit.backends.batching import (
 from bsrkit.backends.triton.tiles import clamped_tiles
 
 if TYPE_CHECKING:
+    from bsrkit.attention import BlockBias
     from bsrkit.operand import Operand
 
 __all__ = ["TritonBackend", "available", "interpreting"]
@@ -52,6 +53,9 @@ class TritonBackend:
         "BLOCK_N": power_of_two_at_least_16,
         "num_warps": int_at_least_one,
         "num_stages": int_at_least_one,
+        # bsr @ dense only: one software-pipelined loop over (block, k-chunk) pairs instead of a loop over
+        # k-chunks nested in a loop over blocks (see kernels._row_product_flat).
+        "FLAT_LOOP": zero_or_one,
     }
     tune_flag = "--backend triton "
     auto_devices: ClassVar[frozenset[str] | None] = frozenset(
@@ -95,6 +99,7 @@ class TritonBackend:
             "BLOCK_N": 64,
             "num_warps": 4,
             "num_stages": 2,
+            "FLAT_LOOP": 0,
         }
         params.update(chosen)
         if "num_warps" not in chosen:
@@ -185,3 +190,35 @@ class TritonBackend:
         g4 = grad.expand(y.shape).reshape(y4.shape)
         crow = a.crow.reshape(y4.shape[0], -1)
         return softmax_kernels.softmax_backward_blocks(crow, y4, g4).reshape(y.shape)
+
+    def attention_forward(
+        self,
+        a: Operand,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        bias: BlockBias,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Fused attention forward (an optional capability): (output, row log-sum-exp), or None where it
+        does not apply (float64, blocks or head sizes over 128). See :mod:`.attention_kernels`."""
+        from bsrkit.backends.triton import attention_kernels
+
+        if not attention_kernels.supported(a, query, value):
+            return None
+        return attention_kernels.forward(a, query, key, value, bias, scale)
+
+    def attention_backward(
+        self,
+        a: Operand,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        grad: torch.Tensor,
+        bias: BlockBias,
+        scale: float,
+    ) -> None:
+        """Not fused on Triton: None, so the backward recomputes the weights on the composed path."""
+        return None

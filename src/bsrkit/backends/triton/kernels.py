@@ -27,7 +27,7 @@ import triton.language as tl
 
 from bsrkit.backends.triton.tiles import clamped_tiles
 
-__all__ = ["bsr_dense_addmm", "sampled_blocks", "scatter_mm_into"]
+__all__ = ["bsr_dense_addmm", "dot_precision", "sampled_blocks", "scatter_mm_into"]
 
 _ACC = {
     torch.float16: tl.float32,
@@ -37,7 +37,7 @@ _ACC = {
 }
 
 
-def _precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: TF32 for float32 only when torch allows it for matmuls (as torch.mm)."""
     if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
@@ -54,7 +54,7 @@ def _launch(
     kwargs = {
         **tiles,
         "ACC_DTYPE": _ACC[dtype],
-        "PRECISION": _precision(dtype),
+        "PRECISION": dot_precision(dtype),
         "num_warps": meta["num_warps"],
         "num_stages": meta["num_stages"],
     }
@@ -93,6 +93,38 @@ def _block_product(
 
 
 @triton.jit
+def _row_product_flat(
+    acc, g0, g1, col_ptr, stride_col_g,
+    values_ptr, stride_values_g, stride_values_m, stride_values_k, d_ptr, stride_d_k, stride_d_n,
+    rm, rn, mask_m, mask_n, Ks,
+    ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """acc += sum_{g in [g0, g1)} values[g][rm, :] @ d[col[g]-block rows, rn], as ONE loop over (block,
+    k-chunk) pairs: Triton software-pipelines only a loop's own loads, so the loads of the next block are
+    in flight while this one multiplies (the nested form restarts the pipeline at every block).
+    ``EVEN_K``: BLOCK_K divides Ks, so no k mask."""
+    k_chunks = tl.cdiv(Ks, BLOCK_K)
+    rk0 = tl.arange(0, BLOCK_K)
+    for it in range(0, (g1 - g0) * k_chunks):
+        g = g0 + it // k_chunks
+        rk = (it % k_chunks) * BLOCK_K + rk0
+        c = tl.load(col_ptr + g * stride_col_g).to(tl.int64)
+        a_ptrs = (
+            values_ptr + g * stride_values_g + rm[:, None] * stride_values_m + rk[None, :] * stride_values_k
+        )
+        d_ptrs = d_ptr + (c * Ks + rk)[:, None] * stride_d_k + rn[None, :] * stride_d_n
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            d = tl.load(d_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = rk < Ks
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            d = tl.load(d_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc += tl.dot(a, d, input_precision=PRECISION, out_dtype=ACC_DTYPE)
+    return acc
+
+
+@triton.jit
 def _bsr_dense_addmm_kernel(
     # BSR operand, batched: crow (B, MB + 1), col (B, nnz), values (B, nnz, Ms, Ks)
     crow_ptr, stride_crow_b, stride_crow_m,
@@ -105,6 +137,7 @@ def _bsr_dense_addmm_kernel(
     MB, Ms, Ks, N, M_TILES, N_TILES, alpha: tl.float64,
     OVERWRITE: tl.constexpr, ACC_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    FLAT_LOOP: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     row, m_t, n_t = _split_pid(N_TILES, M_TILES)
     b = row // MB
@@ -117,14 +150,22 @@ def _bsr_dense_addmm_kernel(
     g0 = tl.load(crow).to(tl.int64)
     g1 = tl.load(crow + stride_crow_m).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
-    for g in range(g0, g1):
-        c = tl.load(col_ptr + b * stride_col_b + g * stride_col_g).to(tl.int64)
-        acc = _block_product(
-            acc,
-            values_ptr + b * stride_values_b + g * stride_values_g, stride_values_m, stride_values_k,
-            dense_ptr + b * stride_dense_b + c * Ks * stride_dense_k, stride_dense_k, stride_dense_n,
-            rm, rn, mask_m, mask_n, Ks, ACC_DTYPE, PRECISION, BLOCK_K,
+    if FLAT_LOOP:
+        acc = _row_product_flat(
+            acc, g0, g1, col_ptr + b * stride_col_b, stride_col_g,
+            values_ptr + b * stride_values_b, stride_values_g, stride_values_m, stride_values_k,
+            dense_ptr + b * stride_dense_b, stride_dense_k, stride_dense_n,
+            rm, rn, mask_m, mask_n, Ks, ACC_DTYPE, PRECISION, BLOCK_K, EVEN_K,
         )  # fmt: skip
+    else:
+        for g in range(g0, g1):
+            c = tl.load(col_ptr + b * stride_col_b + g * stride_col_g).to(tl.int64)
+            acc = _block_product(
+                acc,
+                values_ptr + b * stride_values_b + g * stride_values_g, stride_values_m, stride_values_k,
+                dense_ptr + b * stride_dense_b + c * Ks * stride_dense_k, stride_dense_k, stride_dense_n,
+                rm, rn, mask_m, mask_n, Ks, ACC_DTYPE, PRECISION, BLOCK_K,
+            )  # fmt: skip
     out_ptrs = out_ptr + b * stride_out_b + (m * Ms + rm)[:, None] * stride_out_m + rn[None, :] * stride_out_n
     mask = mask_m[:, None] & mask_n[None, :]
     result = (acc * alpha).to(ACC_DTYPE)  # alpha is float64: scale in float64, then round once
@@ -148,13 +189,16 @@ def bsr_dense_addmm(
     Ms, Ks = values.shape[-2:]
     launch, m_tiles, n_tiles = _launch(meta, out.dtype, Ms, Ks, N)
     grid = (B * (M // Ms) * m_tiles * n_tiles,)
+    flat = bool(meta.get("FLAT_LOOP", 0))
+    even_k = Ks % launch["BLOCK_K"] == 0
     _bsr_dense_addmm_kernel[grid](
         crow, crow.stride(0), crow.stride(1),
         col, col.stride(0), col.stride(1),
         values, values.stride(0), values.stride(1), values.stride(2), values.stride(3),
         dense, dense.stride(0), dense.stride(1), dense.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
-        M // Ms, Ms, Ks, N, m_tiles, n_tiles, float(alpha), OVERWRITE=overwrite, **launch,
+        M // Ms, Ms, Ks, N, m_tiles, n_tiles, float(alpha), OVERWRITE=overwrite,
+        FLAT_LOOP=flat, EVEN_K=even_k, **launch,
     )  # fmt: skip
 
 

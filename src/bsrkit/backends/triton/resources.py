@@ -82,16 +82,18 @@ def kernel_resources(
     ``contiguous`` compiles the unit strides of row-major operands as constants, as a launch on
     contiguous tensors does; False keeps every stride a runtime value (the non-contiguous case).
     ``constexprs`` sets the kernel's remaining constexpr flags (defaults: ``OVERWRITE=True``,
-    ``IS_COMPRESSED=True``)."""
+    ``IS_COMPRESSED=True``, ``FLAT_LOOP=False``, ``EVEN_K=True``)."""
     fn = KERNELS[kernel]
     values: dict[str, Any] = {
         "ACC_DTYPE": kernels._ACC[dtype],
-        "PRECISION": kernels._precision(dtype),
+        "PRECISION": kernels.dot_precision(dtype),
         "BLOCK_M": BLOCK_M,
         "BLOCK_K": BLOCK_K,
         "BLOCK_N": BLOCK_N,
         "OVERWRITE": True,
         "IS_COMPRESSED": True,
+        "FLAT_LOOP": False,
+        "EVEN_K": True,
         **constexprs,
     }
     signature: dict[str, str] = {}
