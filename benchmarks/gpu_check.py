@@ -293,7 +293,7 @@ WIDE = [
 ]
 DECODE = [(128, 32, 16, 4, 2, 0), (64, 64, 16, 4, 3, 1), (16, 128, 16, 4, 3, 1)]
 # Seconds of the budget kept for the sections after tuning, and after the product timings.
-RESERVE_AFTER_TUNE, RESERVE_AFTER_SPEED = 250.0, 110.0
+RESERVE_AFTER_TUNE, RESERVE_AFTER_SPEED = 220.0, 100.0
 _KEYS = ("BLOCK_M", "BLOCK_K", "BLOCK_N", "num_warps", "num_stages", "FLAT_LOOP")
 
 
