@@ -95,7 +95,9 @@ class Operand(NamedTuple):
         t = plans.transpose_plan(self.source, self.K // Ks if Ks else 0)
         batch = self.batch
         flat = self.values.reshape(-1, *self.values.shape[-3:])
-        gathered = flat[torch.arange(flat.shape[0])[:, None], t.perm]  # (B, nnz, Ms, Ks), a copy
+        gathered = flat[
+            torch.arange(flat.shape[0], device=flat.device)[:, None], t.perm
+        ]  # (B, nnz, Ms, Ks), a copy
         values_t = gathered.reshape(*batch, *gathered.shape[1:]).mT  # blocks (Ks, Ms), column-major
         crow_t = t.crow.reshape(*batch, -1)
         col_t = t.col.reshape(*batch, -1)

@@ -293,7 +293,9 @@ def _build_rows(source: Source) -> torch.Tensor:
     nnz = int(crow[0, -1]) if crow.numel() else 0
     # Block g lies in row r where crow[r] <= g < crow[r + 1].
     return torch.searchsorted(
-        crow[:, 1:].contiguous(), torch.arange(nnz).expand(crow.shape[0], nnz).contiguous(), right=True
+        crow[:, 1:].contiguous(),
+        torch.arange(nnz, device=crow.device).expand(crow.shape[0], nnz).contiguous(),
+        right=True,
     )
 
 
@@ -302,13 +304,12 @@ def _build_transpose(source: Source, block_cols: int) -> TransposePlan:
     B, nnz = col.shape
     block_rows_ = crow.shape[1] - 1
     rows = block_rows(source)
+    batches = torch.arange(B, device=col.device)[:, None]  # (on the indices' device: CUDA plans too)
     # Order the blocks by (column, row): a stable sort of col * rows + row per batch.
-    order_key = (
-        col * max(block_rows_, 1) + rows + torch.arange(B)[:, None] * (block_cols * max(block_rows_, 1))
-    )
-    perm = order_key.reshape(-1).argsort(stable=True).reshape(B, nnz) - torch.arange(B)[:, None] * nnz
+    order_key = col * max(block_rows_, 1) + rows + batches * (block_cols * max(block_rows_, 1))
+    perm = order_key.reshape(-1).argsort(stable=True).reshape(B, nnz) - batches * nnz
     col_t = rows.gather(1, perm)
-    counts = torch.zeros(B, block_cols, dtype=torch.int64)
+    counts = torch.zeros(B, block_cols, dtype=torch.int64, device=col.device)
     counts.scatter_add_(1, col, torch.ones_like(col))
     crow_t = torch.cat([counts.new_zeros(B, 1), counts.cumsum(1)], dim=1)
     return TransposePlan(perm, crow_t, col_t)
