@@ -195,3 +195,32 @@ def test_kernels_compile_for_sm90_without_spills():
     assert report["alpha"] == {
         "bsr_dense_addmm": ["fp64"], "scatter_mm": [], "bsr_strided_mm": [], "sampled_addmm": ["fp64"]
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("flat", [0, 1])
+@pytest.mark.parametrize("bs,block_k", [((6, 4), 16), ((16, 48), 32), ((32, 32), 16)])
+def test_both_inner_loops(flat, bs, block_k):
+    """bsr @ dense with the nested and the flat inner loop (FLAT_LOOP), batched, non-contiguous, with an
+    empty block row, and with block_k not dividing the blocks' width (the masked k chunk)."""
+    bsr = random_bsr((2, bs[0] * 4, bs[1] * 3), bs, 0.5, torch.float64, empty_rows=(1,))
+    dense = torch.randn(2, 19, bs[1] * 3, dtype=torch.float64).mT
+    meta = {"BLOCK_M": 16, "BLOCK_K": block_k, "BLOCK_N": 16, "FLAT_LOOP": flat}
+    assert_close(bsrkit.bsr_dense_mm(bsr, dense, meta=meta), reference.bsr_dense_mm(bsr, dense), k=bs[1] * 3)
+
+
+def test_half_type_defaults_take_the_flat_loop():
+    """The measured defaults of the bsr @ dense kernel in half types (docs/performance.md, H200)."""
+    from bsrkit.backends import BACKENDS
+
+    triton_backend = BACKENDS["triton"]
+    got = triton_backend.complete_params("bsr_dense_mm", torch.bfloat16, (64, 64, 64), (64, 64), {})
+    assert got == {
+        "BLOCK_M": 64,
+        "BLOCK_K": 32,
+        "BLOCK_N": 128,
+        "num_warps": 4,
+        "num_stages": 4,
+        "FLAT_LOOP": 1,
+    }
+    sampled = triton_backend.complete_params("sampled_addmm", torch.bfloat16, (64, 64, 64), (64, 64), {})
+    assert sampled["FLAT_LOOP"] == 0 and sampled["BLOCK_K"] == 32

@@ -124,3 +124,63 @@ def test_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
         tuning.save_entries({"k": {"panel": 64}}, table)
     assert not list(tmp_path.glob(".tuning-*"))
     assert not table.exists()
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """An empty shipped-tables folder in place of bsrkit/tuned/, and an empty user table."""
+    folder = tmp_path / "tuned"
+    folder.mkdir()
+    monkeypatch.setattr(tuning, "_SHIPPED_DIR", folder)
+    monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "user.json"))
+    tuning.shipped_entries.cache_clear()
+    yield folder
+    tuning.shipped_entries.cache_clear()
+
+
+def _table(path, entries):
+    path.write_text(json.dumps({"format": "bsrkit-tuning", "version": 1, "entries": entries}))
+
+
+def test_lookup_order_user_exact_then_shipped_exact_then_shipped_class(shipped, tmp_path):
+    device, bs = "cuda:Some GPU", (32, 32)
+    mine, theirs = (256, 512, 1024), (512, 512, 1024)
+    user_key = tuning.table_key(device, "bsr_dense_mm", torch.bfloat16, mine, bs)
+    exact = tuning.table_key(device, "bsr_dense_mm", torch.bfloat16, theirs, bs)
+    wide = tuning.class_key(device, "bsr_dense_mm", torch.bfloat16, 1024, bs)
+    narrow = tuning.class_key(device, "bsr_dense_mm", torch.bfloat16, 16, bs)
+    assert wide != narrow and tuning.shape_class(64) != tuning.shape_class(65)
+    shipped_entries = {user_key: {"BLOCK_N": 32}, exact: {"BLOCK_N": 32}, wide: {"BLOCK_N": 64}}
+    _table(shipped / "gpu.json", {**shipped_entries, narrow: {"BLOCK_N": 16}})
+    _table(tmp_path / "user.json", {user_key: {"BLOCK_N": 128}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tuning.TuningWarning)  # a hit in either table warns nothing
+        assert tuning.lookup("bsr_dense_mm", torch.bfloat16, mine, bs, device) == {"BLOCK_N": 128}
+        assert tuning.lookup("bsr_dense_mm", torch.bfloat16, theirs, bs, device) == {"BLOCK_N": 32}
+        other = (128, 128, 2048)  # another M, K and a wide N: the class entry
+        assert tuning.lookup("bsr_dense_mm", torch.bfloat16, other, bs, device) == {"BLOCK_N": 64}
+        assert tuning.lookup("bsr_dense_mm", torch.bfloat16, (128, 128, 8), bs, device) == {"BLOCK_N": 16}
+    # another dtype or blocksize has no entry: the defaults (after the one-time warning)
+    assert tuning.lookup("bsr_dense_mm", torch.float16, mine, bs, device) is None
+    assert tuning.lookup("bsr_dense_mm", torch.bfloat16, mine, (64, 64), device) is None
+
+
+def test_shipped_tables_are_valid_for_their_backend():
+    """Every entry of every table in bsrkit/tuned/ parses, names a known device kind, and passes the
+    Triton backend's parameter schema (so no shipped entry is ever ignored with a warning)."""
+    from bsrkit.backends import BACKENDS
+
+    tuning.shipped_entries.cache_clear()
+    entries = tuning.shipped_entries()
+    assert entries, "no shipped table"
+    schema = BACKENDS["triton"].param_schema
+    for key, params in entries.items():
+        device, op, dtype, shape, bs = key.split("|")
+        assert (
+            device.startswith("cuda:")
+            and op == "bsr_dense_mm"
+            and dtype in ("bfloat16", "float16", "float32")
+        )
+        assert shape in ("*,*,N<=64", "*,*,N>64") and bs in ("32x32", "64x64", "128x128")
+        assert set(params) == set(schema), key
+        assert all(schema[k].check(v) for k, v in params.items()), key

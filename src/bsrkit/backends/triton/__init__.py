@@ -88,11 +88,23 @@ class TritonBackend:
         ``BLOCK_N`` (output columns per program), which the kernels clamp to the padded extent;
         ``num_warps``; ``num_stages``.
 
-        The defaults are the largest tiles whose kernels compile for sm_90 without register spills in
-        every dtype (``bsrkit.backends.triton.resources``; table in docs/performance.md): 128 x 32 x 64
-        for half types, 128 x 16 x 64 for float32 and float64 (their IEEE ``tl.dot`` holds its operands in
-        registers), 8 warps for tiles of 128 x 64 outputs and more, else 4."""
+        ``FLAT_LOOP`` (``bsr_dense_mm``'s kernel: one pipelined loop over (block, k-chunk) pairs).
+
+        Defaults. The ``bsr @ dense`` kernel in half types: the flat loop, 64 x 32 x 128 tiles, 4 warps, 4
+        stages. On an H200 (docs/performance.md; n = 8192, densities 0.1 and 0.5, geometric mean) that
+        took 0.44x the time of the nested loop with 128 x 32 x 64 / 8 warps / 2 stages at blocksize 32 (the
+        best of 7 candidates) and 0.70-0.80x at 64; 128 was not timed at these tiles (the H200's shipped
+        entry serves it there). It compiles for sm_90 without spills at every blocksize (the best bs-128
+        tiles there, 128 x 64 x 128, spill under Triton 3.9) in 32 KB of shared memory, so it launches on
+        sm_80 to sm_90. Elsewhere (float32, float64, SDDMM, scatter): the largest tiles whose kernels
+        compile for sm_90 without register spills in every dtype (``bsrkit.backends.triton.resources``):
+        128 x 32 x 64 for half types, 128 x 16 x 64 for float32 and float64 (their IEEE ``tl.dot`` holds
+        its operands in registers), 8 warps for tiles of 128 x 64 outputs and more, else 4. Per-device
+        tables (``bsrkit/tuned/``) refine these."""
         half = dtype in (torch.float16, torch.bfloat16)
+        if half and op != "sampled_addmm" and "scatter" not in op:  # the bsr @ dense kernel
+            params = {"BLOCK_M": 64, "BLOCK_K": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
+            return {**params, "FLAT_LOOP": 1, **chosen}
         params = {
             "BLOCK_M": 128,
             "BLOCK_K": 32 if half else 16,

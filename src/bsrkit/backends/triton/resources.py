@@ -149,6 +149,8 @@ def default_resources(
         num_warps=meta["num_warps"],
         num_stages=meta["num_stages"],
         arch=arch,
+        FLAT_LOOP=bool(meta.get("FLAT_LOOP", 0)),
+        EVEN_K=inner % tiles["BLOCK_K"] == 0,
     )
 
 
