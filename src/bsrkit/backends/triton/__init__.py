@@ -93,8 +93,8 @@ class TritonBackend:
         Defaults. The ``bsr @ dense`` kernel in half types: the flat loop, 64 x 32 x 128 tiles, 4 warps, 4
         stages. On an H200 (docs/performance.md; n = 8192, densities 0.1 and 0.5, geometric mean) that
         took 0.44x the time of the nested loop with 128 x 32 x 64 / 8 warps / 2 stages at blocksize 32 (the
-        best of 7 candidates) and 0.70-0.80x at 64; 128 was not timed at these tiles (the H200's shipped
-        entry serves it there). It compiles for sm_90 without spills at every blocksize (the best bs-128
+        best of 7 candidates), 0.66-0.80x at 64 and 0.62-0.67x at 128 (where the shipped entry is faster
+        still). It compiles for sm_90 without spills at every blocksize (the best bs-128
         tiles there, 128 x 64 x 128, spill under Triton 3.9) in 32 KB of shared memory, so it launches on
         sm_80 to sm_90. Elsewhere (float32, float64, SDDMM, scatter): the largest tiles whose kernels
         compile for sm_90 without register spills in every dtype (``bsrkit.backends.triton.resources``):
