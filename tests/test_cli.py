@@ -169,3 +169,30 @@ def test_table_written_by_another_process_is_seen_after_the_recheck_delay(tmp_pa
     assert meta()["panel"] == 16  # within the delay: the file is not even stat-ed
     monkeypatch.setattr(tuning, "_RECHECK_SECONDS", 0.0)
     assert meta()["panel"] == 32
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"bsrkit {bsrkit.__version__}"
+
+
+def test_demo_warns_nothing_and_says_where_its_parameters_come_from(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "empty.json"))
+    monkeypatch.setattr(tuning, "_warned", set())  # as in a fresh process: the fallback warning not yet given
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning the demo lets through fails the test
+        assert main(["demo", "--size", "64", "--blocksize", "16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel parameters: defaults (`bsrkit tune --shapes 64x64x64 --blocksizes 16` tunes them)" in out
+
+
+def test_a_failing_command_prints_one_line(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("something broke\nsecond line")
+
+    monkeypatch.setattr(bsrkit, "bsr_dense_mm", broken)
+    assert main(["demo", "--size", "64", "--blocksize", "16", "--repeats", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err == "bsrkit demo: error: RuntimeError: something broke\n"

@@ -26,7 +26,7 @@ from bsrkit.plans import cache_clear, cache_info
 from bsrkit.scatter import bsr_scatter_mm, bsr_scatter_mm_indices_data, scatter_mm
 from bsrkit.softmax import bsr_softmax
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CacheInfo",

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 import torch
 
 from bsrkit.benchmarking import median_seconds, random_bsr_weight
+from bsrkit.environment import getenv
 
 __all__ = ["main"]
 
@@ -51,15 +52,27 @@ def _seconds_since_process_start() -> float | None:
 
 def demo(args: argparse.Namespace) -> int:
     """The main job: one product checked against the reference, timed against torch native BSR and dense
-    torch.mm, with the cold start and the plan cache's life."""
+    torch.mm, with the cold start and the plan cache's life. Its own shape is known: it says where the
+    kernel parameters come from instead of warning about them."""
+    from bsrkit import tuning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tuning.TuningWarning)
+        return _demo(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
     import bsrkit
-    from bsrkit import reference
+    from bsrkit import reference, tuning
 
     n, bs, density = args.size, args.blocksize, args.density
     print(f"bsrkit {bsrkit.__version__} demo: {n}x{n} BSR weight (blocksize {bs}, block density "
           f"{density}) @ {n}x{n} dense, float32, {torch.get_num_threads()} threads")  # fmt: skip
     bsr, _ = random_bsr_weight(n, bs, density)
     dense = torch.randn(n, n, generator=torch.Generator().manual_seed(1))
+    tuned = tuning.lookup("bsr_dense_mm", torch.float32, (n, n, n), (bs, bs))
+    how_to = f" (`bsrkit tune --shapes {n}x{n}x{n} --blocksizes {bs}` tunes them)"
+    print(f"  kernel parameters: {'the tuning table' if tuned else 'defaults' + how_to}")
     t0 = time.perf_counter()
     out = bsrkit.bsr_dense_mm(bsr, dense)
     first = time.perf_counter() - t0
@@ -334,7 +347,10 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta state")
+    from bsrkit import __version__
+
     parser = _OneLineErrors(prog="bsrkit", description="Block-sparse products for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"bsrkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
 
     p = sub.add_parser("demo", help="multiply a random BSR weight by a dense matrix and compare")
@@ -405,7 +421,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             for Ms, Ks in args.blocksizes:
                 if M % Ms or K % Ks:
                     parser.error(f"blocks {Ms}x{Ks} must divide M x K = {M} x {K}")
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        print(f"bsrkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one line, no traceback (BSRKIT_TRACEBACK=1 shows it)
+        if getenv("BSRKIT_TRACEBACK"):
+            raise
+        print(f"bsrkit {args.command}: error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
+        return 1
 
 
 def _parse_ops(text: str) -> list[str]:
