@@ -49,14 +49,19 @@ __all__ = [
     "scaled_dot_product_attention",
     "scatter_mm",
     "sliding_window_mask",
+    "sparsify_",
     "weak_lru_cache",
 ]
 
 
 def __getattr__(name: str) -> object:
     # Submodules that import more (torch.library registrations, the reference) load on first use.
-    if name in ("nn", "custom_ops", "reference", "tuning", "autograd", "distributed"):
+    if name in ("nn", "custom_ops", "reference", "tuning", "autograd", "distributed", "sparsify"):
         import importlib
 
         return importlib.import_module(f"bsrkit.{name}")
+    if name == "sparsify_":
+        from bsrkit.sparsify import sparsify_
+
+        return sparsify_
     raise AttributeError(f"module 'bsrkit' has no attribute {name!r}")

@@ -1,0 +1,205 @@
+"""Model-level sparsification: swap a model's linear layers for block-sparse ones, in place.
+
+``sparsify_(model, blocksize=..., density=...)`` follows torchao's convention (``sparsify_(model, config,
+filter_fn)``, in place, ``filter_fn(module, fqn)``): every selected ``nn.Linear`` (and transformers'
+``Conv1D``, the GPT-2 family's transposed linear) becomes a :class:`bsrkit.nn.BSRLinear` holding the
+``round(density * blocks)`` blocks of largest Frobenius norm of its weight, its bias unchanged. The
+model then computes exactly what a dense model with those pruned weights computes.
+
+A layer is kept dense, unless ``force=True``, where the block-sparse product would be slower than dense on
+this machine: when ``density`` is at or above the break-even density of its device, dtype and blocksize
+(:func:`break_even_density`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from bsrkit.nn import BSRLinear
+
+__all__ = ["LayerReport", "SparsifySummary", "break_even_density", "default_filter", "sparsify_"]
+
+# Densities at or above which bsr @ dense is no faster than dense, by device kind and square blocksize,
+# from the measured tables of docs/performance.md (a little below each measured crossing, so a layer is
+# only swapped where it is faster). CPU, float32, 2 threads, n = 1024-4096: bsrkit's rate over dense mm was
+# 0.55-0.59 / 0.65-0.74 / 0.69-0.85 at blocksizes 16 / 32 / 64 (the crossing density equals that ratio).
+# H200, bfloat16, n = 8192: bsrkit matched cuBLAS near density 0.17 / 0.30 / 0.40 at blocksizes 32/64/128.
+_BREAK_EVEN: dict[str, dict[int, float]] = {
+    "cpu": {16: 0.5, 32: 0.6, 64: 0.65},
+    "cuda": {32: 0.15, 64: 0.25, 128: 0.35},
+}
+
+
+def break_even_density(device: torch.device | str, blocksize: tuple[int, int]) -> float:
+    """The block density at or above which a block-sparse layer is expected to be no faster than dense on
+    ``device``: the entry of the smallest listed blocksize >= ``min(blocksize)`` (smaller blocks are
+    slower), else of the largest listed one; 0.0 for a device kind without measurements (every layer
+    then stays dense unless forced)."""
+    table = _BREAK_EVEN.get(torch.device(device).type)
+    if not table:
+        return 0.0
+    b = min(blocksize)
+    listed = sorted(table)
+    if b < listed[0]:
+        return table[listed[0]] * b / listed[0]  # (smaller blocks: proportionally less)
+    return table[max(s for s in listed if s <= b)]
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D``: ``y = x @ weight + bias`` with ``weight`` ``(in, out)``."""
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and getattr(module, "weight", None) is not None
+    )
+
+
+def _features(module: nn.Module) -> tuple[int, int] | None:
+    """(out_features, in_features) of a linear layer this module is, or None."""
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features
+    if _is_conv1d(module):
+        weight: torch.Tensor = module.weight  # type: ignore[assignment]
+        return int(weight.shape[1]), int(weight.shape[0])
+    return None
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    getter = getattr(model, "get_output_embeddings", None)
+    if callable(getter):
+        try:
+            head = getter()
+        except (NotImplementedError, AttributeError):
+            return None
+        return head if isinstance(head, nn.Module) else None
+    return None
+
+
+def default_filter(
+    blocksize: tuple[int, int], head: nn.Module | None = None
+) -> Callable[[nn.Module, str], bool]:
+    """Every ``nn.Linear`` or ``Conv1D`` whose shape the blocksize divides, except the output head (the
+    module ``model.get_output_embeddings()`` returns, or one named ``lm_head``)."""
+
+    def selected(module: nn.Module, fqn: str) -> bool:
+        features = _features(module)
+        if features is None or module is head or fqn.rsplit(".", 1)[-1] == "lm_head":
+            return False
+        return features[0] % blocksize[0] == 0 and features[1] % blocksize[1] == 0
+
+    return selected
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+    """One selected layer: its name, ``(out, in)`` features, and the density stored (None: kept dense,
+    with the reason)."""
+
+    fqn: str
+    features: tuple[int, int]
+    density: float | None
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsifySummary:
+    """What :func:`sparsify_` did: a report per selected layer, and the parameter counts of the swapped
+    layers' weights before (dense) and after (stored blocks)."""
+
+    layers: tuple[LayerReport, ...]
+    dense_weights: int
+    stored_weights: int
+
+    @property
+    def swapped(self) -> int:
+        return sum(r.density is not None for r in self.layers)
+
+    def __str__(self) -> str:
+        head = f"sparsify_: {self.swapped} of {len(self.layers)} selected layers block-sparse"
+        lines = [f"{head}; their weights {self.dense_weights:,} -> {self.stored_weights:,} stored values"]
+        for r in self.layers:
+            what = f"density {r.density:.3f}" if r.density is not None else f"dense ({r.reason})"
+            lines.append(f"  {r.fqn}: {r.features[0]}x{r.features[1]} {what}")
+        return "\n".join(lines)
+
+
+def _as_linear(module: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` view of a Conv1D's weight (transposed copy) and bias, for the pruning."""
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    bias: torch.Tensor | None = module.bias  # type: ignore[assignment]
+    in_f, out_f = weight.shape
+    linear = nn.Linear(in_f, out_f, bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight.t())
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+def sparsify_(
+    model: nn.Module,
+    *,
+    blocksize: int | tuple[int, int],
+    density: float,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    criterion: str = "block_norm",
+    force: bool = False,
+) -> SparsifySummary:
+    r"""Replace, in place, each linear layer of ``model`` that ``filter_fn(module, fqn)`` selects by a
+    :class:`~bsrkit.nn.BSRLinear` keeping the ``round(density * blocks)`` blocks of largest
+    :math:`\|W_{ij}\|_F` (``criterion="block_norm"``, the only one), bias unchanged; returns a
+    :class:`SparsifySummary`.
+
+    ``blocksize`` is ``b`` or ``(bo, bi)`` (output x input features per block). ``filter_fn`` defaults to
+    :func:`default_filter`. A selected layer whose shape the blocksize does not divide raises
+    ``ValueError``. Unless ``force``, a layer stays dense where ``density`` is at or above
+    :func:`break_even_density` for its device (the block-sparse product would be slower there).
+    """
+    bo, bi = (blocksize, blocksize) if isinstance(blocksize, int) else tuple(blocksize)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"sparsify_(): expected model to be an nn.Module, got {type(model).__name__}")
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 <= density <= 1:
+        raise ValueError(f"sparsify_(): expected density to be a number in [0, 1], got {density!r}")
+    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in (bo, bi)):
+        raise ValueError(f"sparsify_(): expected blocksize to be a positive int or pair, got {blocksize!r}")
+    if criterion != "block_norm":
+        raise ValueError(f"sparsify_(): expected criterion 'block_norm', got {criterion!r}")
+    selected = filter_fn or default_filter((bo, bi), _output_head(model))
+    chosen = [(fqn, m) for fqn, m in model.named_modules() if fqn and selected(m, fqn)]
+    reports: list[LayerReport] = []
+    dense_weights = stored_weights = 0
+    for fqn, module in chosen:
+        features = _features(module)
+        if features is None:
+            raise ValueError(
+                f"sparsify_(): filter_fn selected {fqn!r}, a {type(module).__name__}, not a linear layer"
+            )
+        if features[0] % bo or features[1] % bi:
+            raise ValueError(
+                f"sparsify_(): expected blocksize {(bo, bi)} to divide the (out, in) features of {fqn!r}, "
+                f"got {features}"
+            )
+        limit = break_even_density(module.weight.device, (bo, bi))
+        if not force and density >= limit:
+            reason = f"density {density} >= break-even {limit:.2f} on {module.weight.device.type}"
+            reports.append(LayerReport(fqn, features, None, reason))
+            continue
+        linear = module if isinstance(module, nn.Linear) else _as_linear(module)
+        sparse = BSRLinear.from_dense(linear, (bo, bi), density)
+        _replace(model, fqn, sparse)
+        blocks = (features[0] // bo) * (features[1] // bi)
+        dense_weights += features[0] * features[1]
+        stored_weights += sparse.values.numel()
+        reports.append(LayerReport(fqn, features, sparse.values.shape[-3] / blocks if blocks else 0.0))
+    return SparsifySummary(tuple(reports), dense_weights, stored_weights)
+
+
+def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, name = fqn.rpartition(".")
+    parent: Any = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, name, new)

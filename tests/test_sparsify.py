@@ -1,0 +1,135 @@
+"""sparsify_: the model-level swap of linear layers for BSRLinear, checked against the dense model holding
+the same pruned weights."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import bsrkit
+from bsrkit.nn import BSRLinear
+from bsrkit.sparsify import break_even_density, sparsify_
+
+
+class Conv1D(nn.Module):
+    """transformers' Conv1D, as the GPT-2 family uses it: y = x @ weight + bias, weight (in, out)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.randn(nf, dtype=torch.float64))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], self.nf)
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32, dtype=torch.float64)
+        self.up = nn.Linear(32, 64, dtype=torch.float64)
+        self.gpt2_proj = Conv1D(32, 64)
+        self.odd = nn.Linear(32, 20, dtype=torch.float64)  # 20 output features: no 8-block fits
+        self.lm_head = nn.Linear(32, 50, bias=False, dtype=torch.float64)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.gpt2_proj(torch.relu(self.up(h)))
+        return self.lm_head(h) + self.odd(h).sum(-1, keepdim=True)
+
+
+def _dense_twin(model, sparse_model):
+    """The dense model holding the pruned weights: each swapped layer's BSR weight densified."""
+    twin = copy.deepcopy(model)
+    for fqn, module in sparse_model.named_modules():
+        if isinstance(module, BSRLinear):
+            original = twin.get_submodule(fqn)
+            with torch.no_grad():
+                w = module.to_dense()
+                original.weight.copy_(w if isinstance(original, nn.Linear) else w.t())
+    return twin
+
+
+def test_logits_equal_the_dense_model_with_the_same_pruned_weights():
+    torch.manual_seed(0)
+    model = TinyLM()
+    sparse = copy.deepcopy(model)
+    summary = sparsify_(sparse, blocksize=16, density=0.25)
+    assert isinstance(sparse.up, BSRLinear) and isinstance(sparse.gpt2_proj, BSRLinear)
+    assert isinstance(sparse.lm_head, nn.Linear) and isinstance(sparse.odd, nn.Linear)  # head; shape
+    assert [r.fqn for r in summary.layers] == ["up", "gpt2_proj"] and summary.swapped == 2
+    assert all(r.density == 0.25 for r in summary.layers)
+    assert summary.dense_weights == 2 * 32 * 64 and summary.stored_weights == 2 * 32 * 64 // 4
+    assert "2 of 2 selected layers block-sparse" in str(summary)
+    tokens = torch.randint(0, 50, (3, 7))
+    twin = _dense_twin(model, sparse)
+    torch.testing.assert_close(sparse(tokens), twin(tokens), rtol=1e-12, atol=1e-12)
+    assert not torch.equal(twin(tokens), model(tokens))  # (pruning changed the model)
+
+
+def test_kept_blocks_are_those_of_largest_norm_and_bias_is_kept():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 16, dtype=torch.float64))
+    weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+    sparsify_(model, blocksize=4, density=0.25, force=True)
+    norms = weight.reshape(4, 4, 4, 4).transpose(1, 2).pow(2).sum((-1, -2))
+    kept = (model[0].to_dense().reshape(4, 4, 4, 4).transpose(1, 2) != 0).any(-1).any(-1)
+    assert kept.sum() == 4 and bool(norms[kept].min() >= norms[~kept].max())
+    assert torch.equal(model[0].bias.detach(), bias)
+
+
+def test_dense_where_the_block_sparse_product_would_be_slower_unless_forced():
+    limit = break_even_density("cpu", (8, 8))
+    assert 0 < limit < 1 and break_even_density("cpu", (64, 64)) > break_even_density("cpu", (16, 16))
+    assert break_even_density("meta", (8, 8)) == 0.0  # no measurements: stays dense
+    model = nn.Sequential(nn.Linear(16, 16))
+    summary = sparsify_(model, blocksize=8, density=min(1.0, limit + 0.01))
+    assert isinstance(model[0], nn.Linear) and summary.swapped == 0
+    assert "break-even" in summary.layers[0].reason and "dense (density" in str(summary)
+    summary = sparsify_(model, blocksize=8, density=0.9, force=True)
+    assert isinstance(model[0], BSRLinear) and summary.swapped == 1
+
+
+def test_filter_fn_takes_module_and_fqn_and_the_output_head_is_found():
+    class WithHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def get_output_embeddings(self):
+            return self.out
+
+    model = WithHead()
+    seen = []
+    sparsify_(model, blocksize=8, density=0.2, filter_fn=lambda m, fqn: seen.append(fqn) or fqn == "b")
+    assert isinstance(model.b, BSRLinear) and isinstance(model.a, nn.Linear) and "a" in seen
+    model = WithHead()
+    sparsify_(model, blocksize=8, density=0.2)
+    assert isinstance(model.a, BSRLinear) and isinstance(model.out, nn.Linear)  # the head stays dense
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        ({"blocksize": 8, "density": 1.5}, ValueError),
+        ({"blocksize": 8, "density": True}, ValueError),
+        ({"blocksize": 0, "density": 0.1}, ValueError),
+        ({"blocksize": (8, 8.0), "density": 0.1}, ValueError),
+        ({"blocksize": 8, "density": 0.1, "criterion": "movement"}, ValueError),
+        ({"blocksize": 8, "density": 0.1, "filter_fn": lambda m, fqn: fqn == "0"}, ValueError),  # 20 % 8
+        ({"blocksize": 8, "density": 0.1, "filter_fn": lambda m, fqn: fqn == "1"}, ValueError),  # ReLU
+    ],
+)
+def test_bad_arguments_raise_before_anything_changes(kwargs, error):
+    model = nn.Sequential(nn.Linear(16, 20), nn.ReLU(), nn.Linear(20, 16))
+    with pytest.raises(error):
+        sparsify_(model, **kwargs)
+    assert isinstance(model[0], nn.Linear) and isinstance(model[2], nn.Linear)
+    with pytest.raises(TypeError):
+        sparsify_("not a model", blocksize=8, density=0.1)
+
+
+def test_public_name():
+    assert bsrkit.sparsify_ is sparsify_
