@@ -28,32 +28,7 @@ import torch.nn.functional as F
 
 import bsrkit
 from bsrkit.attention import sliding_window_mask
-
-
-def _rss_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _peak_mib(fn: Callable[[], object]) -> float | None:
-    """Peak RSS added by one call of fn (MiB), or None where /proc/self/clear_refs is unavailable."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-    except OSError:
-        return None
-    before = _rss_kib("VmRSS")
-    fn()
-    peak = _rss_kib("VmHWM")
-    if before is None or peak is None:
-        return None
-    return (peak - before) / 1024
+from bsrkit.benchmarking import peak_rss_mib
 
 
 def run_point(L: int, density: float, repeats: int, methods: list[str]) -> list[dict[str, object]]:
@@ -146,7 +121,7 @@ def run_point(L: int, density: float, repeats: int, methods: list[str]) -> list[
                 times[id(r)].append(time.perf_counter() - t0)
         for r in live:
             r[f"{mode}_s"] = statistics.median(times[id(r)])
-            r["fwd_peak_mib" if mode == "fwd" else "peak_mib"] = _peak_mib(r[f"_{mode}"])
+            r["fwd_peak_mib" if mode == "fwd" else "peak_mib"] = peak_rss_mib(r[f"_{mode}"])
     for r in rows:
         r.pop("_fwd")
         r.pop("_fwd_bwd")

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["median_seconds", "min_seconds", "random_bsr_weight"]
+__all__ = ["median_seconds", "min_seconds", "peak_rss_mib", "random_bsr_weight"]
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -20,6 +20,33 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _rss_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def peak_rss_mib(fn: Callable[[], object]) -> float | None:
+    """Peak resident memory one call of ``fn()`` adds (MiB): the process's peak RSS is reset through
+    ``/proc/self/clear_refs`` first. None where that is unavailable (not Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+    except OSError:
+        return None
+    before = _rss_kib("VmRSS")
+    fn()
+    peak = _rss_kib("VmHWM")
+    if before is None or peak is None:
+        return None
+    return (peak - before) / 1024
 
 
 def min_seconds(fn: Callable[[], object], repeats: int) -> float:
