@@ -1,16 +1,16 @@
 """A whole model, dense against block-sparse, in one run: tokens/s of prefill and greedy decode, and peak
 memory, for a LLaMA-style transformers model with random weights.
 
-Memory: the bytes of each model's parameters and buffers, and the resident memory one prefill adds at
-its peak (Linux). The dense model runs on transformers' SDPA attention (torch's best CPU attention); the sparse one is the
+The dense model runs on transformers' SDPA attention (torch's best CPU attention); the sparse one is the
 same model after ``bsrkit.sparsify_`` (every decoder linear layer; the output head stays dense) with
 ``attn_implementation="bsrkit"``. Both see the same prompt; decode is greedy with a KV cache.
 
     python benchmarks/transformer.py                                  # the issue-25 model, 2 threads
     python benchmarks/transformer.py --layers 2 --hidden 256 --intermediate 704 --prefill 128  # small
 
-Every figure is a median over ``--repeats`` runs; the methods alternate run by run, so that a shared
-machine's load hits both alike.
+Memory: the bytes of each model's parameters and buffers, and the resident memory one prefill adds at
+its peak (Linux). Every figure is a median over ``--repeats`` runs; the methods alternate run by run, so
+that a shared machine's load hits both alike.
 """
 
 from __future__ import annotations
