@@ -56,7 +56,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     # Submodules that import more (torch.library registrations, the reference) load on first use.
-    if name in ("nn", "custom_ops", "reference", "tuning", "autograd", "distributed", "sparsify"):
+    if name in ("nn", "custom_ops", "reference", "tuning", "autograd", "distributed", "sparsify", "prune"):
         import importlib
 
         return importlib.import_module(f"bsrkit.{name}")
