@@ -43,7 +43,7 @@ def stdlib_bytes(limit: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _as_tensor(data: bytearray) -> torch.Tensor:
-    return torch.frombuffer(bytes(data), dtype=torch.uint8).long()
+    return torch.frombuffer(data, dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
 
 
 class Block(nn.Module):
