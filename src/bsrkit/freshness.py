@@ -1,0 +1,193 @@
+r"""The content proof: what every cache hit checks before it trusts what was derived from tensor data.
+
+A cache key (:class:`bsrkit.keys.TensorKey`) names *memory*; version counters say whether torch ops moved
+through the aliases the key saw. Neither says what the memory holds now: numpy, DLPack and ctypes views,
+``.data``, a storage-level copy, another process writing shared memory, a collective's broadcast, or an
+in-place op through an alias with its own counter (the index tensors a BSR was built from) all write it
+unseen. So an entry derived from tensor data keeps a :class:`Snapshot`: a copy of the bytes it was derived
+from, taken *before* the derivation, and a hit first asks :meth:`Snapshot.unchanged`.
+
+**Soundness.** For every byte the derivation could have read, the snapshot holds its value at the time
+the derivation started; :meth:`~Snapshot.unchanged` compares each with the memory now. Equal bytes mean the
+same inputs, so the derived value is what a rebuild would give (derivations are deterministic functions
+of those bytes and of the key's metadata, which key equality already fixes). A write during the
+derivation makes the snapshot differ from the memory, so the next hit rebuilds. What is compared is the
+whole byte range a view spans (from its first to its last element), a superset of what it reads: a write
+between the elements (another column of a matrix) is a needless rebuild, never a stale hit.
+
+**Cost.** Per tensor a copy at snapshot time and, per hit, a check that the storage is alive, unmoved and
+large enough, then a memcmp: about 0.2 µs for the few hundred bytes of a small pattern's indices, about
+``nbytes / 20 GB/s`` for large ones (next to a product that reads ``nnz * Ms * Ks`` values, small).
+
+**Per device** (``$BSRKIT_CHECK_PLANS``, read on every check):
+
+* unset, empty or ``auto``: host (CPU) memory is compared on every hit; device (CUDA) memory is not (a
+  comparison there needs a host synchronisation): a CUDA hit is as fresh as the memory identity and
+  version counters say;
+* ``1``: every device is compared on every hit (CUDA: one ``torch.equal``, a host synchronisation);
+* ``0``: nothing is compared (memory identity and version counters only): for measuring what the proof
+  costs; writes that move no version counter can then give stale results.
+
+Meta and fake tensors hold no data: they have nothing to compare.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from bsrkit.environment import getenv
+
+__all__ = ["CHECK_ENV", "Snapshot", "check_mode", "content_tensors"]
+
+CHECK_ENV = "BSRKIT_CHECK_PLANS"
+
+# Modes: compare host memory, compare device memory.
+_AUTO, _ALL, _NONE = (True, False), (True, True), (False, False)
+_MODES: dict[str | None, tuple[bool, bool]] = {None: _AUTO, "": _AUTO, "auto": _AUTO, "1": _ALL, "0": _NONE}
+
+# Above this many bytes a region is compared as uint64 arrays (no copy); below, as bytes (less overhead).
+_BYTES_COMPARE_MAX = 1 << 20
+
+
+def check_mode() -> tuple[bool, bool]:
+    """(compare host memory, compare device memory) under ``$BSRKIT_CHECK_PLANS``."""
+    raw = getenv(CHECK_ENV)
+    mode = _MODES.get(raw)
+    if mode is None:
+        raise ValueError(f"bsrkit: expected ${CHECK_ENV} in ('auto', '0', '1') or unset, got {raw!r}")
+    return mode
+
+
+def content_tensors(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors whose data a value derived from ``t`` may depend on, as far as a
+    :class:`~bsrkit.keys.TensorKey` names it: ``t`` itself, or a sparse compressed tensor's two index
+    tensors (its values are not part of its key)."""
+    layout = t.layout
+    if layout is torch.strided:
+        return (t,)
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices())
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (t.ccol_indices(), t.row_indices())
+    raise TypeError(f"bsrkit: expected a strided or sparse compressed tensor, got layout {layout}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """(first byte, number of bytes) of the storage range ``t`` views: from its first element to its last."""
+    if t.numel() == 0:
+        return 0, 0
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    size = t.element_size()
+    return int(t.storage_offset()) * size, int(extent) * size
+
+
+class _HostRegion:
+    """Bytes of a CPU storage, compared through a numpy view that does not own (or pin) the memory: it is
+    read only after the storage is found alive, unmoved and still large enough."""
+
+    __slots__ = ("base", "end", "kept", "ref", "view")
+
+    def __init__(self, storage: Any, start: int, nbytes: int) -> None:
+        self.ref = weakref.ref(storage)
+        self.base = storage.data_ptr()
+        self.end = start + nbytes
+        buffer = (ctypes.c_ubyte * nbytes).from_address(self.base + start)
+        self.view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
+        self.kept = self.view.tobytes()
+
+    def unchanged(self) -> bool:
+        s = self.ref()
+        if s is None or s.data_ptr() != self.base or s.nbytes() < self.end:
+            return False  # gone, reallocated (resized) or shrunk: not the memory the copy was taken from
+        view = self.view
+        if view.nbytes <= _BYTES_COMPARE_MAX:
+            return view.tobytes() == self.kept
+        kept = np.frombuffer(self.kept, dtype=np.uint8)
+        if view.nbytes % 8 == 0:
+            return bool(np.array_equal(view.view(np.uint64), kept.view(np.uint64)))
+        return bool(np.array_equal(view, kept))
+
+
+class _DeviceRegion:
+    """Bytes of a storage on an accelerator: a copy on the same device, compared only in the checked
+    mode (the comparison synchronises with the host). Without a copy (taken while the mode was off), a
+    checked comparison fails: unproven is not unchanged."""
+
+    __slots__ = ("kept", "ref", "size", "start")
+
+    def __init__(self, storage: Any, start: int, nbytes: int, copy: bool) -> None:
+        self.ref = weakref.ref(storage)
+        self.start = start
+        self.size = nbytes
+        self.kept = _bytes_of(storage, start, nbytes).clone() if copy else None
+
+    def unchanged(self) -> bool:
+        s = self.ref()
+        if s is None or s.nbytes() < self.start + self.size or self.kept is None:
+            return False
+        return torch.equal(_bytes_of(s, self.start, self.size), self.kept)
+
+
+def _bytes_of(storage: Any, start: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor viewing ``nbytes`` bytes of ``storage`` from ``start``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start, (nbytes,), (1,))
+
+
+class Snapshot:
+    """A copy of the data of some tensors, and the check that their memory still holds it.
+
+    Take it *before* deriving anything from the tensors (see the module's docstring for why that order is
+    sound); keep it with what was derived; trust the derived value only while :meth:`unchanged`.
+    The snapshot holds no tensor or storage alive (weak references only).
+    """
+
+    __slots__ = ("_device", "_host", "_opaque")
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        host: list[_HostRegion] = []
+        device: list[_DeviceRegion] = []
+        opaque = False  # a tensor whose data cannot be read as bytes (a storage-less wrapper subclass)
+        copy_device: bool | None = None
+        for t in tensors:
+            if t.device.type == "meta" or t.numel() == 0:
+                continue  # no data to be stale
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                opaque = True
+                continue
+            if storage.device.type == "meta":  # (a fake tensor: no data either)
+                continue
+            start, nbytes = _span(t)
+            if storage.device.type == "cpu":
+                host.append(_HostRegion(storage, start, nbytes))
+            else:
+                if copy_device is None:
+                    copy_device = check_mode()[1]
+                device.append(_DeviceRegion(storage, start, nbytes, copy_device))
+        self._host = tuple(host)
+        self._device = tuple(device)
+        self._opaque = opaque
+
+    def unchanged(self) -> bool:
+        """Whether every byte the snapshot copied still holds its value (under ``$BSRKIT_CHECK_PLANS``:
+        host memory by default, device memory in the checked mode ``1``, nothing with ``0``)."""
+        check_host, check_device = check_mode()
+        if not check_host:  # (mode 0: nothing is compared)
+            return True
+        if self._opaque:
+            return False  # unproven is not unchanged
+        for r in self._host:
+            if not r.unchanged():
+                return False
+        if check_device:
+            for d in self._device:
+                if not d.unchanged():
+                    return False
+        return True
