@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bsrkit.environment import getenv
+from bsrkit.environment import getenv, reader
 
 __all__ = ["CHECK_ENV", "Snapshot", "check_mode", "content_tensors"]
 
@@ -49,18 +49,26 @@ CHECK_ENV = "BSRKIT_CHECK_PLANS"
 
 # Modes: compare host memory, compare device memory.
 _AUTO, _ALL, _NONE = (True, False), (True, True), (False, False)
-_MODES: dict[str | None, tuple[bool, bool]] = {None: _AUTO, "": _AUTO, "auto": _AUTO, "1": _ALL, "0": _NONE}
+_MODES: dict[str | bytes | None, tuple[bool, bool]] = {
+    None: _AUTO, "": _AUTO, "auto": _AUTO, "1": _ALL, "0": _NONE,
+    b"": _AUTO, b"auto": _AUTO, b"1": _ALL, b"0": _NONE,
+}  # fmt: skip
 
 # Above this many bytes a region is compared as uint64 arrays (no copy); below, as bytes (less overhead).
 _BYTES_COMPARE_MAX = 1 << 20
 
 
+_raw_mode = reader(CHECK_ENV)
+
+
 def check_mode() -> tuple[bool, bool]:
     """(compare host memory, compare device memory) under ``$BSRKIT_CHECK_PLANS``."""
-    raw = getenv(CHECK_ENV)
-    mode = _MODES.get(raw)
+    mode = _MODES.get(_raw_mode())
     if mode is None:
-        raise ValueError(f"bsrkit: expected ${CHECK_ENV} in ('auto', '0', '1') or unset, got {raw!r}")
+        raw = getenv(CHECK_ENV)
+        mode = _MODES.get(raw)
+        if mode is None:
+            raise ValueError(f"bsrkit: expected ${CHECK_ENV} in ('auto', '0', '1') or unset, got {raw!r}")
     return mode
 
 
@@ -87,31 +95,20 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return int(t.storage_offset()) * size, int(extent) * size
 
 
-class _HostRegion:
-    """Bytes of a CPU storage, compared through a numpy view that does not own (or pin) the memory: it is
-    read only after the storage is found alive, unmoved and still large enough."""
-
-    __slots__ = ("base", "end", "kept", "ref", "view")
-
-    def __init__(self, storage: Any, start: int, nbytes: int) -> None:
-        self.ref = weakref.ref(storage)
-        self.base = storage.data_ptr()
-        self.end = start + nbytes
-        buffer = (ctypes.c_ubyte * nbytes).from_address(self.base + start)
-        self.view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
-        self.kept = self.view.tobytes()
-
-    def unchanged(self) -> bool:
-        s = self.ref()
-        if s is None or s.data_ptr() != self.base or s.nbytes() < self.end:
-            return False  # gone, reallocated (resized) or shrunk: not the memory the copy was taken from
-        view = self.view
-        if view.nbytes <= _BYTES_COMPARE_MAX:
-            return view.tobytes() == self.kept
-        kept = np.frombuffer(self.kept, dtype=np.uint8)
-        if view.nbytes % 8 == 0:
-            return bool(np.array_equal(view.view(np.uint64), kept.view(np.uint64)))
-        return bool(np.array_equal(view, kept))
+def _host_region(storage: Any, start: int, nbytes: int) -> tuple[Any, ...]:
+    """``(weak ref to the storage, its data address, end byte, view, copy)`` for bytes ``start`` to
+    ``start + nbytes`` of a CPU storage. The numpy view does not own (or pin) the memory: it is read only
+    after the storage is found alive, unmoved and still large enough (see :meth:`Snapshot.unchanged`).
+    The copy is ``bytes`` up to ``_BYTES_COMPARE_MAX`` (compared as bytes), else a uint64/uint8 array."""
+    base = storage.data_ptr()
+    buffer = (ctypes.c_ubyte * nbytes).from_address(base + start)
+    view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
+    kept: Any = view.tobytes()
+    if nbytes > _BYTES_COMPARE_MAX:
+        if nbytes % 8 == 0:
+            view = view.view(np.uint64)
+        kept = np.frombuffer(kept, dtype=view.dtype)
+    return (weakref.ref(storage), base, start + nbytes, view, kept)
 
 
 class _DeviceRegion:
@@ -150,7 +147,7 @@ class Snapshot:
     __slots__ = ("_device", "_host", "_opaque")
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        host: list[_HostRegion] = []
+        host: list[tuple[Any, ...]] = []
         device: list[_DeviceRegion] = []
         opaque = False  # a tensor whose data cannot be read as bytes (a storage-less wrapper subclass)
         copy_device: bool | None = None
@@ -166,7 +163,7 @@ class Snapshot:
                 continue
             start, nbytes = _span(t)
             if storage.device.type == "cpu":
-                host.append(_HostRegion(storage, start, nbytes))
+                host.append(_host_region(storage, start, nbytes))
             else:
                 if copy_device is None:
                     copy_device = check_mode()[1]
@@ -183,8 +180,15 @@ class Snapshot:
             return True
         if self._opaque:
             return False  # unproven is not unchanged
-        for r in self._host:
-            if not r.unchanged():
+        # (inline, not a method per region: this runs on every cache hit)
+        for ref, base, end, view, kept in self._host:
+            s = ref()
+            if s is None or s.data_ptr() != base or s.nbytes() < end:
+                return False  # gone, reallocated (resized) or shrunk: not the memory the copy was taken from
+            if kept.__class__ is bytes:
+                if view.tobytes() != kept:
+                    return False
+            elif not np.array_equal(view, kept):
                 return False
         if check_device:
             for d in self._device:
