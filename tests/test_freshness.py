@@ -434,6 +434,22 @@ def test_verify_contents_recomputes_after_an_unseen_write():
     assert total(x) == 115 and total.cache_info().hits == 2
 
 
+@pytest.mark.parametrize("n", [10, 5000, 100_000])  # bytes compared as a copy, and by memcmp
+def test_verify_contents_sees_a_write_at_either_end(n):
+    @weak_lru_cache(verify_contents=True)
+    def last(t: torch.Tensor) -> tuple[int, int]:
+        return int(t[0]), int(t[-1])
+
+    x = torch.arange(n)
+    assert last(x) == (0, n - 1)
+    x.numpy()[-1] = -5
+    assert last(x) == (0, -5)
+    x.numpy()[0] = 7
+    assert last(x) == (7, -5)
+    assert last(x) == (7, -5)
+    assert last.cache_info()[:2] == (1, 3) and last.cache_info().stale == 2
+
+
 def test_verify_contents_compares_the_span_of_a_view():
     x = torch.arange(12.0).reshape(3, 4)
     calls = []

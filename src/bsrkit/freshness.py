@@ -34,6 +34,7 @@ Meta and fake tensors hold no data: they have nothing to compare.
 from __future__ import annotations
 
 import ctypes
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -54,8 +55,23 @@ _MODES: dict[str | bytes | None, tuple[bool, bool]] = {
     b"": _AUTO, b"auto": _AUTO, b"1": _ALL, b"0": _NONE,
 }  # fmt: skip
 
-# Above this many bytes a region is compared as uint64 arrays (no copy); below, as bytes (less overhead).
-_BYTES_COMPARE_MAX = 1 << 20
+# Up to this many bytes a region is compared by copying it to bytes (~80 ns + 30 ns/KiB); above, by the C
+# library's memcmp through ctypes (~370 ns + 20 ns/KiB, no copy), or numpy where there is no memcmp.
+_BYTES_COMPARE_MAX = 1 << 15
+
+
+def _find_memcmp() -> Any:
+    try:
+        libc = ctypes.CDLL(None) if sys.platform != "win32" else ctypes.cdll.msvcrt
+        memcmp = libc.memcmp
+    except (OSError, AttributeError):
+        return None
+    memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    memcmp.restype = ctypes.c_int
+    return memcmp
+
+
+_memcmp = _find_memcmp()
 
 
 _raw_mode = reader(CHECK_ENV)
@@ -97,18 +113,35 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 def _host_region(storage: Any, start: int, nbytes: int) -> tuple[Any, ...]:
     """``(weak ref to the storage, its data address, end byte, view, copy)`` for bytes ``start`` to
-    ``start + nbytes`` of a CPU storage. The numpy view does not own (or pin) the memory: it is read only
-    after the storage is found alive, unmoved and still large enough (see :meth:`Snapshot.unchanged`).
-    The copy is ``bytes`` up to ``_BYTES_COMPARE_MAX`` (compared as bytes), else a uint64/uint8 array."""
+    ``start + nbytes`` of a CPU storage. The view does not own (or pin) the memory: it is read only after
+    the storage is found alive, unmoved and still large enough (see :meth:`Snapshot.unchanged`). Up to
+    ``_BYTES_COMPARE_MAX`` bytes, the view is a numpy array and the copy ``bytes``; above, a
+    ``_LargeRegion`` compares them."""
     base = storage.data_ptr()
     buffer = (ctypes.c_ubyte * nbytes).from_address(base + start)
-    view = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
+    view: Any = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint8)
     kept: Any = view.tobytes()
     if nbytes > _BYTES_COMPARE_MAX:
-        if nbytes % 8 == 0:
-            view = view.view(np.uint64)
-        kept = np.frombuffer(kept, dtype=view.dtype)
+        view = _LargeRegion(view, kept)
     return (weakref.ref(storage), base, start + nbytes, view, kept)
+
+
+class _LargeRegion:
+    """A large region's comparison without a copy: memcmp of the memory and the kept bytes."""
+
+    __slots__ = ("address", "kept", "kept_address", "nbytes", "view")
+
+    def __init__(self, view: np.ndarray, kept: bytes) -> None:
+        self.view = view
+        self.kept = kept
+        self.address = view.ctypes.data
+        self.kept_address = ctypes.cast(ctypes.c_char_p(kept), ctypes.c_void_p).value
+        self.nbytes = view.nbytes
+
+    def equal(self) -> bool:
+        if _memcmp is not None:
+            return bool(_memcmp(self.address, self.kept_address, self.nbytes) == 0)
+        return bool(np.array_equal(self.view, np.frombuffer(self.kept, dtype=np.uint8)))
 
 
 class _DeviceRegion:
@@ -185,10 +218,10 @@ class Snapshot:
             s = ref()
             if s is None or s.data_ptr() != base or s.nbytes() < end:
                 return False  # gone, reallocated (resized) or shrunk: not the memory the copy was taken from
-            if kept.__class__ is bytes:
-                if view.tobytes() != kept:
+            if view.__class__ is _LargeRegion:
+                if not view.equal():
                     return False
-            elif not np.array_equal(view, kept):
+            elif view.tobytes() != kept:
                 return False
         if check_device:
             for d in self._device:
