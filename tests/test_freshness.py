@@ -252,6 +252,29 @@ def test_a_write_to_the_pattern_is_never_served_stale(backend, op, write, tmp_pa
         assert bsrkit.cache_info().stale > stale_before  # a plan was refused, not missed by luck
 
 
+@pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])
+def test_indices_data_written_in_place_are_never_served_stale(backend, fmt):
+    """scatter_mm's own plans (the indices data's check and the CPU gemm list) are keyed on the indices
+    data tensors: numpy writes the other pattern's indices data into them."""
+    values = _float_values()
+    old = _weight(values).bsr
+    new = torch.sparse_bsr_tensor(torch.tensor(CROW), torch.tensor(NEW_COL), values, size=(N_, N_))
+    x = torch.randn(N_, 32, generator=_gen())
+
+    def owned(data: tuple[Any, ...]) -> tuple[Any, ...]:  # (not the cached tuple's own tensors)
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in data)
+
+    data = owned(bsrkit.bsr_scatter_mm_indices_data(old, x, fmt))
+    other = owned(bsrkit.bsr_scatter_mm_indices_data(new, x, fmt))
+    for _ in range(2):
+        assert_close(bsrkit.bsr_scatter_mm(new, x, indices_data=data), reference.bsr_dense_mm(old, x), k=N_)
+    for mine, theirs in zip(data[1:], other[1:], strict=True):
+        if isinstance(mine, torch.Tensor):
+            assert mine.shape == theirs.shape
+            mine.numpy()[...] = theirs.numpy()
+    assert_close(bsrkit.bsr_scatter_mm(new, x, indices_data=data), reference.bsr_dense_mm(new, x), k=N_)
+
+
 @pytest.mark.parametrize("write", ["numpy", "original_rebuilt_bsr"])
 def test_the_pattern_written_back_is_right_again(backend, write):
     w = _weight(_float_values())
