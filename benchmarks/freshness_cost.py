@@ -5,7 +5,9 @@ alternation puts both under the same load; the table gives the medians over roun
 
     .venv/bin/python benchmarks/freshness_cost.py [--points 64,16,0.25,64 ...] [--rounds 15]
 
-Each point is ``n,blocksize,density,N`` (an n x n BSR weight times n x N, float32, ``--threads``).
+Each point is ``n,blocksize,density,N`` (an n x n BSR weight times n x N, float32, ``--threads``). The
+``proof us`` column times the comparison alone (``Snapshot.unchanged()`` of the weight's indices, best of
+7 repeats of 2000): on a loaded machine the difference of two product times is noisier than that.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import argparse
 import os
 import statistics
 import time
+import timeit
 import warnings
 
 import torch
 
 import bsrkit
 from bsrkit.benchmarking import random_bsr_weight
+from bsrkit.freshness import Snapshot
 
 warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta state")
 
@@ -44,8 +48,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, float32; medians over {args.rounds} rounds")
-    head = ("point (n,bs,density,N)", "checked us", "unchecked us", "extra us", "extra %")
-    print(f"{head[0]:>24} {head[1]:>11} {head[2]:>13} {head[3]:>9} {head[4]:>8}")
+    head = ("point (n,bs,density,N)", "checked us", "unchecked us", "extra us", "extra %", "proof us", "%")
+    print(f"{head[0]:>24} {head[1]:>11} {head[2]:>13} {head[3]:>9} {head[4]:>8} {head[5]:>9} {head[6]:>6}")
     for spec in args.points:
         n, bs, d, N = spec.split(",")
         bsr, _ = random_bsr_weight(int(n), int(bs), float(d), seed=int(n) + int(bs))
@@ -67,7 +71,10 @@ def main() -> None:
                 times.append(round_median(call, calls))
         os.environ.pop("BSRKIT_CHECK_PLANS")
         c, u = statistics.median(checked) * 1e6, statistics.median(unchecked) * 1e6
-        print(f"{spec:>24} {c:11.2f} {u:13.2f} {c - u:9.2f} {100 * (c - u) / u:7.1f}%", flush=True)
+        proof = Snapshot((bsr.crow_indices(), bsr.col_indices())).unchanged
+        p = min(timeit.repeat(proof, number=2000, repeat=7)) / 2000 * 1e6
+        extra = f"{c - u:9.2f} {100 * (c - u) / u:7.1f}%"
+        print(f"{spec:>24} {c:11.2f} {u:13.2f} {extra} {p:9.2f} {100 * p / u:5.1f}%", flush=True)
 
 
 if __name__ == "__main__":
