@@ -16,8 +16,9 @@ whole byte range a view spans (from its first to its last element), a superset o
 between the elements (another column of a matrix) is a needless rebuild, never a stale hit.
 
 **Cost.** Per tensor a copy at snapshot time and, per hit, a check that the storage is alive, unmoved and
-large enough, then a memcmp: about 0.2 µs for the few hundred bytes of a small pattern's indices, about
-``nbytes / 20 GB/s`` for large ones (next to a product that reads ``nnz * Ms * Ks`` values, small).
+large enough, then a byte comparison: about 0.55 µs for a small pattern's ``crow`` and ``col`` together,
+about 1 µs at 13 KiB (measured in ``docs/performance.md``), then memory-bound (the memory and the copy are
+both read).
 
 **Per device** (``$BSRKIT_CHECK_PLANS``, read on every check):
 
