@@ -108,6 +108,38 @@ def scenario_ddp(rank: int, world: int, out: Path) -> dict:
     return result
 
 
+def scenario_ddp_pattern(rank: int, world: int, out: Path) -> dict:
+    """A pattern changed on rank 0 after wrapping, with DDP's default buffer sync before every forward:
+    the broadcast writes the other ranks' index buffers without moving their version counters, after
+    plans for the old pattern were cached there. Every rank must compute with the new pattern."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    x, _ = make_data()
+    ddp = DistributedDataParallel(make_model(0))
+    first = ddp.module[0]
+    ddp(x).sum().backward()  # plans of the old pattern (forward and backward) on every rank
+    new = make_model(2)[0]  # same shapes and number of blocks, another pattern
+    assert not torch.equal(new.col_indices, first.col_indices)
+    if rank == 0:
+        with torch.no_grad():
+            first.crow_indices.copy_(new.crow_indices)
+            first.col_indices.copy_(new.col_indices)
+    x.requires_grad_(True)
+    y = ddp(x)  # (DDP copies rank 0's buffers to every rank first)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    second = ddp.module[2]
+    xd = x.detach().clone().requires_grad_(True)
+    expected = torch.relu(xd @ first.to_dense().T + first.bias) @ second.to_dense().T + second.bias
+    (expected_grad,) = torch.autograd.grad(expected.sum(), xd)
+    diff = max(max_abs(y, expected), max_abs(grad, expected_grad))
+    has_new = bool(
+        torch.equal(first.col_indices, new.col_indices) and torch.equal(first.crow_indices, new.crow_indices)
+    )
+    everyone: list[Any] = [None] * world
+    torch.distributed.all_gather_object(everyone, (diff, has_new))
+    return {"max_abs_per_rank": [d for d, _ in everyone], "new_pattern_per_rank": [h for _, h in everyone]}
+
+
 def scenario_fsdp2(rank: int, world: int, out: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -275,7 +307,12 @@ def scenario_tp(rank: int, world: int, out: Path) -> dict:
     return results
 
 
-SCENARIOS = {"ddp": scenario_ddp, "fsdp2": scenario_fsdp2, "tp": scenario_tp}
+SCENARIOS = {
+    "ddp": scenario_ddp,
+    "ddp_pattern": scenario_ddp_pattern,
+    "fsdp2": scenario_fsdp2,
+    "tp": scenario_tp,
+}
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ def run_ranks(out: Path, scenarios: list[str], world: int = 2, timeout: float = 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("dist")
-    scenarios = ["ddp", "fsdp2", "tp"]
+    scenarios = ["ddp", "ddp_pattern", "fsdp2", "tp"]
     run_ranks(out, scenarios)
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in scenarios}
 
@@ -108,6 +108,15 @@ def test_ddp_matches_single_process_training(two_ranks):
     assert result["plan_misses_per_rank"] == [result["single_process_plan_misses"]] * 2, result
     losses = result["losses"]
     assert losses[-1] < losses[0]  # it trains
+
+
+def test_ddp_pattern_changed_on_rank_0_after_wrapping_reaches_every_rank(two_ranks):
+    """DDP's default buffer sync writes rank 1's index buffers without moving a version counter; the
+    plans cached there for the old pattern must be refused (they compare the index data)."""
+    result = two_ranks[1]["ddp_pattern"]
+    print("\nDDP, pattern changed on rank 0:", json.dumps(result))
+    assert result["new_pattern_per_rank"] == [True, True], result
+    assert max(result["max_abs_per_rank"]) < TOL, result
 
 
 def test_fsdp2_matches_single_process_and_shards_values(two_ranks):

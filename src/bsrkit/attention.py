@@ -175,7 +175,7 @@ def _check_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
         )
 
 
-@weak_lru_cache(maxsize=64)
+@weak_lru_cache(maxsize=64, verify_contents=True)
 def _expanded_pattern(mask: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
     # Broadcast views of copies of the mask's indices, cached so that the plans keyed on them live with
     # the mask's index memory. Copies: a view of that memory in the entry would keep it alive forever.
@@ -268,12 +268,12 @@ def block_bias(mask: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> Block
     return BlockBias(index.reshape(*values.shape[:-3], nnz), bias, values.shape[:-3])
 
 
-@weak_lru_cache(maxsize=64, maxbytes=2**28)
+@weak_lru_cache(maxsize=64, maxbytes=2**28, verify_contents=True)
 def _cached_block_bias(
     mask: torch.Tensor, values: torch.Tensor, is_causal: bool, dtype: torch.dtype
 ) -> BlockBias:
     """:func:`block_bias`, cached for as long as the mask's indices and values live; ``values`` (the
-    mask's) is in the key so that writing to them (a new version) is a miss."""
+    mask's) is in the key so that a hit proves them unchanged too, whatever wrote them."""
     return block_bias(mask, is_causal, dtype)
 
 

@@ -10,8 +10,9 @@ the tensor it was computed from is gone. :func:`weak_lru_cache` fixes both:
 * an entry lives as long as the memory its keys name (the storages, see :mod:`bsrkit.keys`), not as long
   as one Python wrapper: when the last tensor on that memory dies, the entry's value is released at once,
   by reference counting alone, and the entry leaves the table;
-* an in-place change of a tensor argument (its version counter moved) is a miss, and the entry is
-  recomputed and replaced — a stale value is never returned;
+* an in-place change of a tensor argument through it (its version counter moved) is a miss, and the
+  entry is recomputed and replaced; with ``verify_contents=True`` so is any change of the data, whatever
+  wrote it (a hit compares a copy: see :mod:`bsrkit.freshness` and :func:`weak_lru_cache`);
 * inference tensors have no version counter, so a call with one is computed and not cached.
 
 Interrupts. A ``KeyboardInterrupt`` (or any exception a signal handler raises) can arrive between any two
@@ -46,6 +47,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 import torch
 
+from bsrkit.freshness import Snapshot, content_tensors
 from bsrkit.keys import TensorKey
 
 __all__ = ["CacheInfo", "weak_lru_cache"]
@@ -60,6 +62,9 @@ class CacheInfo(NamedTuple):
     currsize: int
     nbytes: int
     dead_evictions: int
+    # Hits refused because the data the entry was derived from changed (see verify_contents); each is
+    # also counted as a miss.
+    stale: int = 0
 
 
 def _value_arrays(value: Any) -> list[Any]:
@@ -136,13 +141,21 @@ class _DeathNotice(weakref.ref):
 
 
 class _Entry:
-    __slots__ = ("cell", "nbytes", "refs", "version")
+    __slots__ = ("cell", "nbytes", "proof", "refs", "version")
 
-    def __init__(self, cell: dict[int, Any], version: tuple[int, ...], nbytes: int, refs: list[Any]) -> None:
+    def __init__(
+        self,
+        cell: dict[int, Any],
+        version: tuple[int, ...],
+        nbytes: int,
+        refs: list[Any],
+        proof: Snapshot | None,
+    ) -> None:
         self.cell = cell  # {0: value}; a weakref callback pops the value the moment a storage dies
         self.version = version
         self.nbytes = nbytes
         self.refs = refs  # weakrefs with callbacks; they must live as long as the entry
+        self.proof = proof  # the arguments' data the value was derived from (verify_contents), or None
 
 
 class _InFlight:
@@ -165,10 +178,13 @@ _MISSING = object()
 
 
 class _CacheState:
-    def __init__(self, func: Callable[..., Any], maxsize: int | None, maxbytes: int | None) -> None:
+    def __init__(
+        self, func: Callable[..., Any], maxsize: int | None, maxbytes: int | None, verify_contents: bool
+    ) -> None:
         self.func = func
         self.maxsize = maxsize
         self.maxbytes = maxbytes
+        self.verify_contents = verify_contents
         self.entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.inflight: dict[Hashable, _InFlight] = {}
         self.lock = threading.Lock()
@@ -178,6 +194,7 @@ class _CacheState:
         self.hits = 0
         self.misses = 0
         self.dead_evictions = 0
+        self.stale = 0
 
     # -- under the lock ---------------------------------------------------------------------------
     def _sweep(self) -> None:
@@ -213,6 +230,8 @@ class _CacheState:
         mine: _InFlight | None = None
         try:
             while True:
+                unproven: _Entry | None = None
+                pending: _InFlight | None = None
                 with self.lock:
                     if self.dead:
                         self._sweep()
@@ -222,16 +241,32 @@ class _CacheState:
                         if value is not _MISSING:
                             self.entries.move_to_end(key)
                             self.hits += 1
-                            return value
-                    pending = self.inflight.get(key)
-                    if pending is None or not pending.latch.locked():
-                        # Nobody computes it (a released latch left here is an interrupted owner's).
-                        mine = _InFlight(version)
-                        self.inflight[key] = mine
-                        self.misses += 1
-                        break
-                    if pending.version == version:
-                        self.hits += 1
+                            if entry.proof is None:
+                                return value
+                            unproven = entry  # (the data is compared outside the lock)
+                    if unproven is None:
+                        pending = self.inflight.get(key)
+                        if pending is None or not pending.latch.locked():
+                            # Nobody computes it (a released latch left here is an interrupted owner's).
+                            mine = _InFlight(version)
+                            self.inflight[key] = mine
+                            self.misses += 1
+                            break
+                        if pending.version == version:
+                            self.hits += 1
+                if unproven is not None:
+                    if unproven.proof is None or unproven.proof.unchanged():
+                        return value
+                    # Derived from data that has changed since: not a hit. Drop the entry and look again.
+                    with self.lock:
+                        self.hits -= 1
+                        self.stale += 1
+                        if self.entries.get(key) is unproven:
+                            del self.entries[key]
+                    del unproven, value  # (the stale value dies here, outside the lock)
+                    continue
+                if pending is None:  # (not reached: the lock's block returned, broke or set one)
+                    continue
                 # Another caller computes this key: wait outside the cache lock.
                 with pending.latch:
                     pass
@@ -242,8 +277,10 @@ class _CacheState:
                         raise pending.error
                 # The computation started before an in-place change (stale for us), or its owner was
                 # interrupted: look again.
+            # The data's snapshot comes first: a write while func runs then shows at the next hit.
+            proof = Snapshot(_data_of(keys)) if self.verify_contents else None
             value = self.func(*args, **kwargs)
-            self._insert(key, keys, value, version)
+            self._insert(key, keys, value, version, proof)
             mine.value = value
             mine.ok = True
             return value
@@ -258,7 +295,14 @@ class _CacheState:
                     if self.inflight.get(key) is mine:
                         del self.inflight[key]
 
-    def _insert(self, key: Hashable, keys: list[TensorKey], value: Any, version: tuple[int, ...]) -> None:
+    def _insert(
+        self,
+        key: Hashable,
+        keys: list[TensorKey],
+        value: Any,
+        version: tuple[int, ...],
+        proof: Snapshot | None,
+    ) -> None:
         anchors: list[Any] = []
         for k in keys:
             objs = k.anchors()
@@ -294,7 +338,7 @@ class _CacheState:
                 notice = _DeathNotice(a, self.dead.append)
                 notice.key = key
                 refs.append(notice)
-        entry = _Entry(cell, version, nbytes, refs)
+        entry = _Entry(cell, version, nbytes, refs, proof)
         with self.lock:
             if self.dead:
                 self._sweep()
@@ -316,13 +360,14 @@ class _CacheState:
                 len(entries),
                 sum(e.nbytes for e in entries.values()),
                 self.dead_evictions,
+                self.stale,
             )
 
     def clear(self) -> None:
         with self.lock:
             dropped, self.entries = self.entries, OrderedDict()
             self.dead.clear()
-            self.hits = self.misses = self.dead_evictions = 0
+            self.hits = self.misses = self.dead_evictions = self.stale = 0
         del dropped  # the values die here, outside the lock
 
 
@@ -357,6 +402,16 @@ def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) 
 
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+def _data_of(keys: list[TensorKey]) -> list[torch.Tensor]:
+    """The strided tensors holding the data the keys name (their tensors are alive: the call holds them)."""
+    found: list[torch.Tensor] = []
+    for k in keys:
+        t = k.obj
+        if t is not None:
+            found.extend(content_tensors(t))
+    return found
 
 
 def _describe(name: Any) -> str:
@@ -409,7 +464,9 @@ def _make_key(
     return tuple(parts), keys, tuple(version)
 
 
-def weak_lru_cache(maxsize: int | None = 128, maxbytes: int | None = None) -> Callable[[F], F]:
+def weak_lru_cache(
+    maxsize: int | None = 128, maxbytes: int | None = None, *, verify_contents: bool = False
+) -> Callable[[F], F]:
     """Decorator: memoize a function of tensors; entries die with the memory of their tensor arguments.
 
     Parameters
@@ -420,6 +477,22 @@ def weak_lru_cache(maxsize: int | None = 128, maxbytes: int | None = None) -> Ca
         Bound on the sum of ``nbytes`` of the tensors (and numpy arrays, storages) held in cached values,
         looking inside tuples, lists and dicts; ``None`` for no bound. A single value larger than the
         bound is returned but not stored.
+    verify_contents:
+        Keep a copy of the tensor arguments' data with each entry (for a sparse compressed tensor, of its
+        indices, which is what its key names) and compare it on every hit (see
+        :mod:`bsrkit.freshness`). The copy's bytes are not counted in ``maxbytes``.
+
+    **What a hit guarantees.** Without ``verify_contents``: the tensor arguments view the same memory in
+    the same way as when the value was computed (live storages, offsets, shapes, strides, dtypes), and
+    their version counters have not moved: no torch op changed the data *through the tensors passed*.
+    Writes that move no counter the key sees are not detected: numpy, DLPack or ctypes views, ``.data``,
+    storage copies, other processes, collectives, and an in-place op through another alias of the memory
+    with its own counter (the index tensors a sparse tensor was built from). With
+    ``verify_contents=True``: the data is also byte-for-byte what the value was computed from, whatever
+    wrote it, on CPU; on CUDA only under ``BSRKIT_CHECK_PLANS=1`` (the comparison synchronises). The
+    trade-off is the user's: a hit then reads every byte of its tensor arguments (a memcmp: about
+    0.2 µs for a few hundred bytes, ~20 GB/s beyond). A hit refused because the data changed counts in
+    ``stale`` and as a miss, and the value is recomputed and replaced.
 
     A tensor argument is keyed by :class:`TensorKey` (memory identity: storage, offset, shape, strides,
     dtype; for a sparse compressed tensor, those of its indices). Its entry lives while that memory is in
@@ -430,11 +503,11 @@ def weak_lru_cache(maxsize: int | None = 128, maxbytes: int | None = None) -> Ca
     place (the function then receives the key; ``key.obj`` is the tensor).
 
     The wrapper has ``cache_info()`` -> :class:`CacheInfo` ``(hits, misses, maxsize, currsize, nbytes,
-    dead_evictions)``, ``cache_clear()`` and ``__wrapped__``. Concurrent calls with the same key run the
-    function once; the others wait and count as hits; an ``Exception`` reaches every waiter and nothing is
-    cached (after a ``KeyboardInterrupt`` in the running call, a waiter computes the value itself). A
-    value that shares memory with one of its tensor arguments (the tensor, a view of it, its storage) is
-    refused with a ``ValueError``: it would keep that memory, hence the entry, alive forever.
+    dead_evictions, stale)``, ``cache_clear()`` and ``__wrapped__``. Concurrent calls with the same key
+    run the function once; the others wait and count as hits; an ``Exception`` reaches every waiter and
+    nothing is cached (after a ``KeyboardInterrupt`` in the running call, a waiter computes the value
+    itself). A value that shares memory with one of its tensor arguments (the tensor, a view of it, its
+    storage) is refused with a ``ValueError``: it would keep that memory, hence the entry, alive forever.
     """
     if callable(maxsize) and maxbytes is None:  # used bare: @weak_lru_cache
         return weak_lru_cache()(maxsize)
@@ -442,9 +515,13 @@ def weak_lru_cache(maxsize: int | None = 128, maxbytes: int | None = None) -> Ca
         raise ValueError(f"weak_lru_cache(): expected maxsize to be None or an int >= 0, got {maxsize!r}")
     if maxbytes is not None and (not isinstance(maxbytes, int) or maxbytes < 0):
         raise ValueError(f"weak_lru_cache(): expected maxbytes to be None or an int >= 0, got {maxbytes!r}")
+    if not isinstance(verify_contents, bool):
+        raise TypeError(
+            f"weak_lru_cache(): expected verify_contents to be a bool, got {type(verify_contents).__name__}"
+        )
 
     def decorate(func: F) -> F:
-        state = _CacheState(func, maxsize, maxbytes)
+        state = _CacheState(func, maxsize, maxbytes, verify_contents)
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -9,9 +9,11 @@ does.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
-__all__ = ["getenv"]
+__all__ = ["getenv", "reader"]
 
 _environ = os.environ
 _data = getattr(_environ, "_data", None)  # CPython's os._Environ: {encoded key: encoded value}
@@ -27,3 +29,11 @@ def getenv(name: str) -> str | None:
         key = _encoded[name] = _environ.encodekey(name)
     value = _data.get(key)
     return None if value is None else _environ.decodevalue(value)
+
+
+def reader(name: str) -> Callable[[], str | bytes | None]:
+    """A function returning ``name``'s raw value (``bytes`` on POSIX, ``str`` elsewhere) or None: for a
+    variable read on every cache hit (~50 ns, a third of :func:`getenv`). Compare against both forms."""
+    if _data is None:
+        return functools.partial(_environ.get, name)
+    return functools.partial(_data.get, _environ.encodekey(name))

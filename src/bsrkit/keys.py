@@ -58,8 +58,8 @@ class TensorKey:
     The storage identity is the storage's Python object (``t.untyped_storage()``), held weakly; with the
     offset, shape, strides and dtype it names the memory exactly, so no ``data_ptr()`` is read. It keeps
     apart two live meta or fake tensors with equal metadata (their ``data_ptr()`` is 0, and FakeTensor
-    warns on reading it). A storage that is resized keeps its identity, and its contents: what was derived
-    from them stays valid.
+    warns on reading it). A storage that is resized keeps its identity (a cache that compares contents
+    sees new memory: see :mod:`bsrkit.freshness`).
 
     **Lifetime.** A key is *alive* while the storages it names are (for a sparse key, those of both index
     tensors): while any tensor at all uses that memory, not only the tensor the key was made from. While
@@ -71,12 +71,13 @@ class TensorKey:
     counter, and the index accessors of one sparse tensor share one counter. Inference tensors have no
     version counter: their ``version`` is ``()`` (caches do not store them).
 
-    Limitation (torch's): a change made through a tensor with *another* version counter on the same memory
-    is invisible to every key. ``torch.sparse_bsr_tensor(crow, col, values)`` gives its indices a fresh
-    counter, so after ``col.copy_(...)`` on the ``col`` it was built from, a key of that BSR tensor (or of
-    one rebuilt from ``col``) has an unchanged ``version``; so does ``x.data.add_(1)`` for ``x``. Change
-    index memory through the sparse tensor's own accessors (``bsr.col_indices().copy_(...)``), or build a
-    new index tensor.
+    A key says nothing about the *contents*: a change made through a tensor with *another* version counter
+    on the same memory is invisible to ``version`` (``torch.sparse_bsr_tensor(crow, col, values)`` gives
+    its indices a fresh counter, so after ``col.copy_(...)`` on the ``col`` it was built from, a key of
+    that BSR tensor, or of one rebuilt from ``col``, has an unchanged ``version``; so does
+    ``x.data.add_(1)`` for ``x``), and so are numpy, DLPack and ctypes writes, storage copies and other
+    processes. A cache that must not be stale compares the data too (``weak_lru_cache(verify_contents=
+    True)``, :mod:`bsrkit.freshness`): bsrkit's own caches do.
     """
 
     __slots__ = ("__weakref__", "_anchors", "_hash", "_identity", "_ref", "version")

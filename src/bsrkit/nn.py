@@ -2,7 +2,8 @@
 
 The block values are the parameter (``values``, shape ``(nnz, bo, bi)``); the pattern lives in two
 buffers (``crow_indices``, ``col_indices``), so plans are cached for as long as the layer lives and are
-recomputed after ``load_state_dict`` changes the pattern in place. Forward and backward run the
+recomputed whenever the pattern changes, whatever writes the buffers (``load_state_dict``, a DDP buffer
+broadcast, an in-place pruning step): every plan hit compares the index data. Forward and backward run the
 ``bsrkit::bsr_mm`` / ``bsrkit::sampled_mm`` custom ops, which ``torch.compile`` can trace.
 """
 
@@ -170,9 +171,8 @@ class BSRLinear(nn.Module):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         if plain:
-            # New memory for the loaded pattern: torch gives the index tensors of a BSR built from these
-            # buffers (to_bsr()) their own version counters, so an in-place copy into the old memory
-            # could not be seen by plans keyed on it; fresh storage cannot be mistaken for the old one.
+            # New memory for the loaded pattern (the plans would see an in-place copy too: they compare
+            # the index data on every hit; fresh storage drops the old plans at once instead).
             self.crow_indices = self.crow_indices.clone()
             self.col_indices = self.col_indices.clone()
 

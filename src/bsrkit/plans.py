@@ -3,9 +3,10 @@
 Every plan is computed with vectorized torch ops (no Python loop over rows or blocks) and stored in one
 shared :func:`~bsrkit.cache.weak_lru_cache`, keyed on the BSR tensor by memory identity of its indices:
 the entry lives as long as the index memory (a BSR rebuilt every step from the same index tensors finds
-it), and an in-place change of the indices through the BSR's own index tensors is a miss, never a stale
-plan. Every pattern is validated when its first plan is built (:func:`check_pattern`). Plans never
-compute products (see ``bsrkit.backends``).
+it). Every hit proves that the index data is byte-for-byte what the plan was derived from
+(``verify_contents``: see :mod:`bsrkit.freshness`), whatever wrote it; a changed pattern is rebuilt and
+validated again, never served stale. Every pattern is validated when its first plan is built
+(:func:`check_pattern`). Plans never compute products (see ``bsrkit.backends``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from bsrkit.cache import CacheInfo, weak_lru_cache
+from bsrkit.freshness import Snapshot
 from bsrkit.keys import TensorKey
 from bsrkit.validation import indices_data_defect, pattern_defect
 
@@ -87,13 +89,14 @@ Source = Any
 _BUILDERS: dict[str, Callable[..., Any]]  # filled at the end of the module
 
 
-@weak_lru_cache(maxsize=256)
+@weak_lru_cache(maxsize=256, verify_contents=True)
 def _plan(kind: str, source: Source, *params: Any) -> Any:
     return _BUILDERS[kind](source, *params)
 
 
 def cache_info() -> CacheInfo:
-    """Statistics of the shared plan cache: (hits, misses, maxsize, currsize, nbytes, dead_evictions)."""
+    """Statistics of the shared plan cache: (hits, misses, maxsize, currsize, nbytes, dead_evictions,
+    stale); ``stale`` counts hits refused because the index data changed since the plan was built."""
     return _plan.cache_info()  # type: ignore[attr-defined]
 
 
@@ -108,8 +111,10 @@ def cache_clear() -> None:
 # A weight used in many products is usually the same Python object each time. Its operand (the index and
 # values aliases, the plans' key and the pattern's verdict, which holds the plans) is then kept and reused
 # without building its TensorKey, taking the cache's lock or fetching the members (~7 µs of a tiny
-# product). The shortcut is valid while the object has the same TensorImpl (``_cdata``) and the same
-# version counter value (``_version``):
+# product). The shortcut is valid while the object has the same TensorImpl (``_cdata``), the same
+# version counter value (``_version``) and its index data is unchanged (the verdict's snapshot, compared
+# as every cache hit compares its own: see bsrkit.freshness). The first two say that it still has the
+# members it had, so that the snapshot is of their memory:
 # - the version counter of a sparse compressed tensor is shared by the aliases its accessors return
 #   (``crow_indices()``, ``col_indices()``, ``values()``), so an in-place change through any of them bumps
 #   it, and so does every op that gives it new members (``copy_``, ``resize_as_sparse_``, ``zero_``), in
@@ -120,7 +125,7 @@ def cache_clear() -> None:
 # an op replaced its members since: then until the next product or its death). Inference tensors (no
 # version counter) always take the cache.
 
-# id(bsr) -> (ref to bsr, its TensorImpl address, its version, the operand)
+# id(bsr) -> (ref to bsr, its TensorImpl address, its version, the operand, its verdict's snapshot)
 _by_wrapper: dict[int, tuple[Any, ...]] = {}
 
 
@@ -130,6 +135,8 @@ def operand_by_wrapper(bsr: torch.Tensor) -> Any:
     seen = _by_wrapper.get(id(bsr))
     if seen is None or seen[0]() is not bsr or seen[1] != bsr._cdata or seen[2] != bsr._version:
         return None
+    if not seen[4].unchanged():
+        return None  # its pattern was written since: the caller rebuilds (and revalidates) it
     state = _plan._cache_state  # type: ignore[attr-defined]
     with state.lock:  # (counted as the cache hit it stands for)
         state.hits += 1
@@ -144,7 +151,8 @@ def remember_wrapper(bsr: torch.Tensor, version: int, operand: Any) -> None:
     # The entry goes when the object dies, by a C function (no Python code runs in a weakref callback:
     # see bsrkit.cache); its id cannot be reused before that, as the callback runs while it is freed.
     forget = functools.partial(_by_wrapper.pop, id(bsr))  # called as pop(id, ref)
-    _by_wrapper[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand)
+    proof = operand.pattern.proof  # (of the memory of bsr's members: the verdict's key names it)
+    _by_wrapper[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand, proof)
 
 
 class MalformedPatternError(ValueError):
@@ -153,13 +161,16 @@ class MalformedPatternError(ValueError):
 
 class Pattern:
     """The verdict on a valid pattern, which also holds the plans fetched through it
-    (:func:`cpu_mm_plan` with ``pattern=``), so that a product finds verdict and plan in one cache lookup.
-    It lives in the cache entry of the verdict: with the pattern's memory, until an in-place change."""
+    (:func:`cpu_mm_plan` with ``pattern=``), so that a product finds verdict and plan in one cache lookup,
+    and ``proof``, the snapshot of the index data it was judged on (taken before the check), for the
+    shortcuts that skip the cache (:func:`operand_by_wrapper`). It lives in the cache entry of the verdict:
+    with the pattern's memory, until the index data changes."""
 
-    __slots__ = ("plans",)
+    __slots__ = ("plans", "proof")
 
-    def __init__(self) -> None:
+    def __init__(self, proof: Snapshot) -> None:
         self.plans: dict[tuple[Any, ...], Any] = {}
+        self.proof = proof
 
 
 def check_pattern(source: Source, block_rows: int, block_cols: int, nnz: int) -> Pattern:
@@ -257,10 +268,11 @@ def _build_check(source: Source, block_rows: int, block_cols: int, nnz: int) -> 
     if isinstance(source, TensorKey):
         source = source.obj
     crow, col = (source.crow_indices(), source.col_indices()) if isinstance(source, torch.Tensor) else source
+    proof = Snapshot((crow, col))  # (first: the verdict is on at most these bytes)
     defect = pattern_defect(crow, col, block_rows, block_cols, nnz)
     if defect is not None:
         raise MalformedPatternError(defect)
-    return Pattern()
+    return Pattern(proof)
 
 
 def _build_check_indices(indices_data: tuple[Any, ...], *extents: Any) -> bool:
