@@ -202,3 +202,84 @@ def test_packed_entry_checks_what_it_packs():
     for i, bad in ((1, strided), (3, single), (4, np.zeros(1)), (7, 5)):
         with pytest.raises(TypeError, match=f"argument {i}"):
             entry.pack([*args[:i], bad, *args[i + 1 :]])
+
+
+STORM = textwrap.dedent(
+    """
+    import json, os, random, signal, sys, threading, time, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import bsrkit
+
+    rng = random.Random(int(sys.argv[1]))
+    torch.manual_seed(0)
+    w = torch.randn(64, 48) * (torch.rand(4, 3) < 0.6).repeat_interleave(16, 0).repeat_interleave(16, 1)
+    bsr = w.to_sparse_bsr((16, 16))
+    x, mat1, mat2 = torch.randn(48, 24), torch.randn(64, 8), torch.randn(8, 48)
+
+    def products():
+        bsrkit.bsr_dense_mm(bsr, x)
+        bsrkit.sampled_addmm(bsr, mat1, mat2)
+        bsrkit.bsr_softmax(bsr)
+
+    end = time.monotonic() + float(sys.argv[2])
+    in_loop = threading.Event()
+
+    def storm():  # Ctrl-C every 1-40 ms while the main thread runs its first (cold) products
+        in_loop.wait()
+        while time.monotonic() < end - 0.5:  # (the last signal lands well before the main loop ends)
+            time.sleep(rng.uniform(0.001, 0.04))
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def worker():  # another thread's products during the storm (signals never land there)
+        while time.monotonic() < end:
+            products()
+
+    # Ctrl-C raises KeyboardInterrupt wherever the main thread is inside the loop below, as Python's own
+    # handler does; outside it (this script's own bookkeeping) it is ignored, so the script survives.
+    guarded = [False]
+
+    def on_sigint(signum, frame):
+        if guarded[0]:
+            guarded[0] = False
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    threading.Thread(target=worker, daemon=True).start()
+    threading.Thread(target=storm, daemon=True).start()
+    interrupts = 0
+    while True:
+        try:
+            guarded[0] = True
+            in_loop.set()
+            while time.monotonic() < end:
+                products()
+            guarded[0] = False
+            break
+        except KeyboardInterrupt:
+            interrupts += 1
+    # After the storm a product on a fresh thread must finish: a module lock left held would hang it.
+    result = {}
+    check = lambda: result.setdefault("err", float((bsrkit.bsr_dense_mm(bsr, x) - w @ x).abs().max()))
+    t = threading.Thread(target=check)
+    t.start()
+    t.join(60)
+    print(json.dumps({"interrupts": interrupts, "hung": t.is_alive(), "err": result.get("err")}))
+    sys.stdout.flush()
+    os._exit(0)
+    """
+)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_ctrl_c_storm_during_the_cold_first_products_leaves_nothing_hung(tmp_path, seed):
+    """SIGINTs every few milliseconds while the first products import and load (or compile) the loops
+    from an empty cache, another thread multiplying too: afterwards a product on a new thread finishes
+    and is right (the first imports run off the main thread: backends/cpu/loading.py)."""
+    done = subprocess.run(
+        [sys.executable, "-c", STORM, str(seed), "6"], env=_env(tmp_path / "numba-cache"),
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["interrupts"] > 10 and not report["hung"] and report["err"] < 1e-4, report

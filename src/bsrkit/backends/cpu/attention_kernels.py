@@ -27,6 +27,7 @@ import torch
 from bsrkit import plans
 from bsrkit.backends.batching import bsr_batch_of
 from bsrkit.backends.cpu.blas import mkl_functions
+from bsrkit.backends.cpu.loading import import_module
 
 if TYPE_CHECKING:
     from bsrkit.attention import BlockBias
@@ -55,9 +56,8 @@ def available() -> bool:
 
 
 def _loops() -> Any:
-    from bsrkit.backends.cpu import _attention_jit  # deferred: imports numba, loads (or compiles) the loops
-
-    return _attention_jit
+    # deferred: imports numba, loads (or compiles) the loops; off the main thread (see .loading)
+    return import_module("bsrkit.backends.cpu._attention_jit")
 
 
 def _width(Ms: int, Ns: int, itemsize: int, nbytes: int) -> int:

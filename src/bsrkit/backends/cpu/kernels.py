@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from bsrkit.backends.cpu.blas import BLASProvider, blas_provider
+from bsrkit.backends.cpu.loading import import_module
 
 __all__ = [
     "DOT_COLUMNS",
@@ -179,6 +180,12 @@ def _bind(
     return run
 
 
+def _loops() -> Any:
+    """:mod:`._jit`, imported at the first product (importing numba costs ~0.3 s; loading or compiling
+    the loops, seconds), off the main thread (see :mod:`.loading`)."""
+    return import_module("bsrkit.backends.cpu._jit")
+
+
 @functools.cache
 def bsr_mm_kernel() -> Any:  # Callable[..., None] | None
     """The kernel for ``out[b] (+)= alpha * bsr[b] @ dense[b]`` (compiled, or loaded from the on-disk
@@ -186,7 +193,7 @@ def bsr_mm_kernel() -> Any:  # Callable[..., None] | None
     provider = blas_provider()
     if provider is None:
         return None
-    import bsrkit.backends.cpu._jit as _jit  # deferred: importing numba costs ~0.3 s, needed only here
+    _jit = _loops()
 
     def limit_panel(args: list[Any], mnk: int) -> tuple[()]:
         if mnk:  # each gemm is (Ms x panel) += (Ms x Ks) @ (Ks x panel)
@@ -212,7 +219,7 @@ def bsr_mm_small_kernel() -> Any:  # Callable[..., None] with .prepare and .run_
     is broadcast against a row of X. ``x_ld`` is X's leading dimension; blocks and output are read and
     written through any strides, the output only in its ``N`` columns.
     """
-    import bsrkit.backends.cpu._jit as _jit
+    _jit = _loops()
 
     arrays_at = (1, 2, 3, 4, 7, 12, 16)
 
@@ -248,7 +255,7 @@ def sampled_kernel() -> Any:  # Callable[..., None] | None
     provider = blas_provider()
     if provider is None:
         return None
-    import bsrkit.backends.cpu._jit as _jit
+    _jit = _loops()
 
     def k_chunk(args: list[Any], mnk: int) -> tuple[int]:
         K = args[17]  # each gemm is (Ms x Ns) (+)= (Ms x k) @ (k x Ns), over chunks k of K
@@ -274,7 +281,7 @@ def scatter_mm_kernel() -> Any:  # Callable[..., None] | None
     provider = blas_provider()
     if provider is None:
         return None
-    import bsrkit.backends.cpu._jit as _jit
+    _jit = _loops()
 
     arrays_at = (1, 2, 3, 4, 12, 13, 19, 20)
     return _bind("scatter_mm_kernel", _jit.scatter_mm, _jit.scatter_mm_serial, 6, provider, 31, 27, arrays_at)

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from bsrkit.backends.cpu.loading import import_module
+
 __all__ = ["softmax_backward_kernel", "softmax_kernel"]
 
 # Every fast-math flag except 'nnan' and 'ninf': -inf (excluded entries) and NaN must keep their meaning.
@@ -132,7 +134,7 @@ def _softmax_backward_rows(crow, y, grad, out):
 @functools.cache
 def _numba() -> Any:
     global numba, normalize_row
-    import numba as numba_module  # deferred: importing numba costs ~0.3 s and is needed only here
+    numba_module = import_module("numba")  # deferred (~0.3 s), off the main thread (see .loading)
 
     numba = numba_module
     normalize_row = numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(_normalize_row)
