@@ -7,8 +7,8 @@ pruned to each block density two ways, from the same dense weights:
 * one-shot: ``bsrkit.sparsify_`` (block norm), no further training;
 * gradual: ``bsrkit.prune.GradualPruner`` (cubic schedule) while fine-tuning, then ``finalize()``.
 
-It reports validation perplexity per byte against the dense model fine-tuned for the same steps, and the time of a fine-tuning step after
-finalize() (block-sparse layers) against a dense step.
+It reports validation perplexity per byte against the dense model fine-tuned for the same steps, and
+the time of a fine-tuning step after finalize() (block-sparse layers) against a dense step.
 
     python examples/prune_finetune.py                 # the small version (a few minutes on 2 cores)
     python examples/prune_finetune.py --dense-steps 3000 --finetune-steps 2000 --dim 256   # larger
