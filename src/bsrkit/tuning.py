@@ -37,6 +37,7 @@ import torch
 from bsrkit.backends import BACKENDS, Backend
 from bsrkit.backends.cpu.backend import cpu_device_name
 from bsrkit.environment import getenv
+from bsrkit.loading import import_module
 
 __all__ = [
     "TABLE_ENV",
@@ -78,8 +79,7 @@ def default_table_path() -> Path:
 
 def _user_table() -> Path:
     if not _USER_TABLE:
-        import platformdirs
-
+        platformdirs = import_module("platformdirs")  # (the first product's: see bsrkit.loading)
         _USER_TABLE.append(Path(platformdirs.user_cache_dir("bsrkit")) / "tuning.json")
     return _USER_TABLE[0]
 

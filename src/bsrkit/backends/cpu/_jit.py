@@ -49,6 +49,8 @@ from numba.core.caching import FunctionCache
 from numba.core.runtime import rtsys
 from numba.extending import intrinsic, models, register_model
 
+from bsrkit.loading import import_module, off_main_thread
+
 # The same values as kernels.KIND_* (a test checks); repeated here so the cache's source hash covers them.
 KIND_F32, KIND_F64, KIND_BF16, KIND_F16 = 0, 1, 2, 3
 _CBLAS_ROW_MAJOR, _CBLAS_NO_TRANS, _CBLAS_TRANS = 101, 111, 112
@@ -1155,12 +1157,12 @@ class _PackedEntry:
     def c_call(self) -> Any:
         if self._c_call is None:
             with self._lock:
-                if self._c_call is None:
-                    self._c_call = self._compile()
+                if self._c_call is None:  # (a compile takes numba's lock: see bsrkit.loading)
+                    self._c_call = off_main_thread(self._compile)
         return self._c_call
 
     def _compile(self) -> Any:
-        from numba.core.ccallback import CFunc
+        CFunc = import_module("numba.core.ccallback").CFunc
 
         cfunc: Any = CFunc(self._entry, ((types.int64,) * 4, types.void), {}, {})
         with contextlib.suppress(RuntimeError):  # (no writable cache location, see _njit: in memory)

@@ -27,7 +27,7 @@ import torch
 from bsrkit import plans
 from bsrkit.backends.batching import bsr_batch_of
 from bsrkit.backends.cpu.blas import mkl_functions
-from bsrkit.backends.cpu.loading import import_module
+from bsrkit.loading import import_module
 
 if TYPE_CHECKING:
     from bsrkit.attention import BlockBias
@@ -56,7 +56,7 @@ def available() -> bool:
 
 
 def _loops() -> Any:
-    # deferred: imports numba, loads (or compiles) the loops; off the main thread (see .loading)
+    # deferred: imports numba, loads (or compiles) the loops; off the main thread (see bsrkit.loading)
     return import_module("bsrkit.backends.cpu._attention_jit")
 
 

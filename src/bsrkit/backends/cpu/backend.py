@@ -26,6 +26,7 @@ from bsrkit import plans
 from bsrkit.backends.base import ParamSpec, int_at_least_one
 from bsrkit.backends.batching import block_coordinates, bsr_batch_of
 from bsrkit.backends.torch_ops import TorchBackend
+from bsrkit.loading import import_module
 
 if TYPE_CHECKING:
     from bsrkit.attention import BlockBias
@@ -135,10 +136,9 @@ _numba_threads = threading.local()  # numba's thread count is per calling thread
 
 def _set_numba_threads(n: int) -> None:
     if getattr(_numba_threads, "n", None) != n:
-        import numba
-
+        numba = import_module("numba")
         _launch_numba_threads()
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         _numba_threads.n = n
 
 
@@ -151,8 +151,7 @@ def _launch_numba_threads() -> None:
     and uses for its own ops would silently become numba's (measured: 1 -> 2 after the first product). The
     pool is started here, once, and torch's count put back.
     """
-    from numba.np.ufunc import parallel
-
+    parallel = import_module("numba.np.ufunc.parallel")  # (the first product's: see bsrkit.loading)
     threads = torch.get_num_threads()
     parallel._launch_threads()
     if torch.get_num_threads() != threads:
@@ -163,6 +162,8 @@ def _run(kernel: Any, nthreads: int, *args: Any) -> None:
     """Call a compiled loop on ``nthreads`` numba threads, one call at a time (see ``_KERNEL_LOCK``)."""
     with _KERNEL_LOCK:
         _set_numba_threads(nthreads)
+        if hasattr(kernel, "overloads"):  # a numba dispatcher (its kind: the dtypes of its arrays)
+            kernels.ensure_compiled(kernel, args, tuple(a.dtype.char for a in args if hasattr(a, "dtype")))
         kernel(*args)
 
 

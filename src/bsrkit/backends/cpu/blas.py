@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from bsrkit.loading import import_module
+
 __all__ = [
     "BLAS_ENV",
     "PROVIDERS",
@@ -118,7 +120,7 @@ def scipy_functions() -> BLASProvider | None:
     ``OPENBLAS_NUM_THREADS=1`` then avoids it.
     """
     try:
-        from scipy.linalg import cython_blas
+        cython_blas = import_module("scipy.linalg.cython_blas")  # (the first product's: bsrkit.loading)
     except ImportError:
         return None
     get_pointer = ctypes.pythonapi.PyCapsule_GetPointer

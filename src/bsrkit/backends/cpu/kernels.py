@@ -28,13 +28,13 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from bsrkit.backends.cpu.blas import BLASProvider, blas_provider
-from bsrkit.backends.cpu.loading import import_module
+from bsrkit.loading import import_module, off_main_thread
 
 __all__ = [
     "DOT_COLUMNS",
@@ -168,6 +168,7 @@ def _bind(
     def run_prepared(full_args: list[Any]) -> None:
         # One thread, or a forked child (GNU OpenMP cannot run there): the serial twin, no parallel region.
         kernel = serial if full_args[threads_at] == 1 or _forked else compiled
+        ensure_compiled(kernel, full_args, full_args[0])  # (one signature per kind: see above)
         kernel(*full_args)
 
     def run(*args: Any) -> None:
@@ -180,9 +181,23 @@ def _bind(
     return run
 
 
+_compiled: set[tuple[int, Any]] = set()
+
+
+def ensure_compiled(dispatcher: Any, args: Sequence[Any], key: Any) -> None:
+    """Before the first call of a compiled loop with arguments of kind ``key``: load (or compile) its
+    machine code off the main thread (see :mod:`bsrkit.loading`; a Ctrl-C inside numba's compile would
+    leave llvmlite's lock held). Later calls: one set lookup."""
+    if (id(dispatcher), key) in _compiled or not hasattr(dispatcher, "overloads"):
+        return  # (done; or not a numba dispatcher: the C entries compile off the main thread themselves)
+    numba = import_module("numba")
+    off_main_thread(dispatcher.compile, tuple(numba.typeof(a) for a in args))
+    _compiled.add((id(dispatcher), key))
+
+
 def _loops() -> Any:
     """:mod:`._jit`, imported at the first product (importing numba costs ~0.3 s; loading or compiling
-    the loops, seconds), off the main thread (see :mod:`.loading`)."""
+    the loops, seconds), off the main thread (see :mod:`bsrkit.loading`)."""
     return import_module("bsrkit.backends.cpu._jit")
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from bsrkit.backends.cpu.loading import import_module
+from bsrkit.loading import import_module
 
 __all__ = ["softmax_backward_kernel", "softmax_kernel"]
 
@@ -134,7 +134,7 @@ def _softmax_backward_rows(crow, y, grad, out):
 @functools.cache
 def _numba() -> Any:
     global numba, normalize_row
-    numba_module = import_module("numba")  # deferred (~0.3 s), off the main thread (see .loading)
+    numba_module = import_module("numba")  # deferred (~0.3 s), off the main thread (see bsrkit.loading)
 
     numba = numba_module
     normalize_row = numba.njit(nogil=True, cache=True, fastmath=_FASTMATH)(_normalize_row)
