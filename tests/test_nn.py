@@ -162,3 +162,56 @@ def test_plans_follow_a_loaded_pattern_also_through_to_bsr():
     a.load_state_dict(b.state_dict())
     got = bsrkit.bsr_dense_mm(a.to_bsr().detach(), x)
     torch.testing.assert_close(got, b.to_dense() @ x)
+
+
+# -- operands of different dtypes raise as nn.Linear does (they used to crash or give garbage) ---------
+
+
+@pytest.mark.parametrize(
+    ("layer_dtype", "x_dtype"),
+    [
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float64),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.int64),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("n", [1, 16, 32])
+def test_mixed_dtypes_raise_like_nn_linear(backend, layer_dtype, x_dtype, n):
+    layer = BSRLinear(64, 32, 16, density=1.0, generator=torch.Generator().manual_seed(0)).to(layer_dtype)
+    x = torch.randn(n, 64).to(x_dtype)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype") as linear:
+        torch.nn.Linear(64, 32).to(layer_dtype)(x)
+    with pytest.raises(RuntimeError, match="same dtype") as ours:
+        layer(x)
+    assert isinstance(ours.value, TypeError) and isinstance(ours.value, ValueError)
+    assert str(layer_dtype) in str(ours.value) and str(x_dtype) in str(ours.value), linear.value
+
+
+def test_custom_op_checks_dtypes_and_shapes_itself(backend):
+    from bsrkit import custom_ops
+
+    layer = BSRLinear(32, 32, 8, density=0.5, generator=torch.Generator().manual_seed(0))
+    crow, col, values = layer.crow_indices, layer.col_indices, layer.values.detach()
+    for dense in (torch.randn(32, 4, dtype=torch.float64), torch.randn(32, 4).half()):
+        with pytest.raises(TypeError, match="values.dtype"):
+            custom_ops.bsr_mm(crow, col, values, dense, 32, 32, False)
+    with pytest.raises(TypeError, match="int64"):
+        custom_ops.bsr_mm(crow, col, values.long(), torch.ones(32, 4, dtype=torch.long), 32, 32, False)
+    with pytest.raises(ValueError, match="dense of shape"):
+        custom_ops.bsr_mm(crow, col, values, torch.randn(16, 4), 32, 32, False)
+    with pytest.raises(TypeError, match="mat1.dtype"):
+        custom_ops.sampled_mm(crow, col, torch.randn(32, 4), torch.randn(4, 32).double(), 8, 8)
+
+
+def test_load_state_dict_assign_with_another_dtype_raises_on_forward(backend):
+    layer = BSRLinear(64, 32, 16, density=0.5, generator=torch.Generator().manual_seed(0))
+    state = {k: v.double() if v.is_floating_point() else v for k, v in layer.state_dict().items()}
+    layer.load_state_dict(state, assign=True)
+    assert layer.values.dtype == torch.float64
+    with pytest.raises(RuntimeError, match="same dtype"):
+        layer(torch.randn(8, 64))
+    y = layer(torch.ones(8, 64, dtype=torch.float64))
+    assert y.dtype == torch.float64
+    assert_close(y, torch.ones(8, 64, dtype=torch.float64) @ layer.to_dense().mT + layer.bias.detach(), k=64)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bsrkit import custom_ops
-from bsrkit.validation import pattern_defect
+from bsrkit.validation import check_operand_dtypes, pattern_defect
 
 __all__ = ["BSRLinear"]
 
@@ -125,6 +125,7 @@ class BSRLinear(nn.Module):
             raise ValueError(
                 f"BSRLinear.forward(): expected x.shape[-1] == {self.in_features}, got {x.shape[-1]}"
             )
+        check_operand_dtypes("BSRLinear.forward", "x", x, "values", self.values)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         # y^T = W x^T: x^T is a column-major view, which the kernel reads without a copy.
