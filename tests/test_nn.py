@@ -215,3 +215,87 @@ def test_load_state_dict_assign_with_another_dtype_raises_on_forward(backend):
     y = layer(torch.ones(8, 64, dtype=torch.float64))
     assert y.dtype == torch.float64
     assert_close(y, torch.ones(8, 64, dtype=torch.float64) @ layer.to_dense().mT + layer.bias.detach(), k=64)
+
+
+# -- serialization: compact col_indices, checkpoints of another nnz, meta-device initialisation --------
+
+
+def _layer(density: float, seed: int, **kw) -> BSRLinear:
+    return BSRLinear(64, 48, (16, 8), density=density, generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def test_col_indices_own_compact_storage_and_safetensors_round_trip(tmp_path):
+    layer = _layer(0.5, 0)
+    for name in ("crow_indices", "col_indices"):
+        t = getattr(layer, name)
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    path = tmp_path / "w.pt"
+    torch.save(layer.state_dict(), path)
+    payload = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+    assert path.stat().st_size < payload + 4096  # no tensor written with a storage twice its size
+    st = pytest.importorskip("safetensors.torch")
+    st.save_model(layer, str(tmp_path / "w.safetensors"))
+    other = _layer(0.5, 1)
+    st.load_model(other, str(tmp_path / "w.safetensors"))
+    x = torch.randn(5, 64)
+    assert torch.equal(other(x), layer(x))
+
+
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("strict", [True, False])
+def test_loads_a_checkpoint_of_another_nnz(backend, assign, strict):
+    source, layer = _layer(0.3, 0), _layer(0.8, 1)
+    assert source.values.shape[0] != layer.values.shape[0]
+    x = torch.randn(7, 64)
+    layer(x)  # plans cached for the old pattern
+    result = layer.load_state_dict(source.state_dict(), strict=strict, assign=assign)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert layer.values.shape == source.values.shape and layer.values.requires_grad
+    assert isinstance(layer.values, torch.nn.Parameter)
+    assert torch.equal(layer.to_dense(), source.to_dense())
+    assert_close(layer(x), source(x), k=64)
+    layer(x).sum().backward()
+    assert layer.values.grad is not None and layer.values.grad.shape == source.values.shape
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    ["drop_col", "drop_values", "col_length", "bias_shape", "block_shape", "crow_shape", "col_range"],
+)
+def test_a_checkpoint_it_cannot_take_changes_nothing(corrupt):
+    source, layer = _layer(0.3, 0), _layer(0.8, 1)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    state = dict(source.state_dict())
+    if corrupt == "drop_col":
+        del state["col_indices"]
+    elif corrupt == "drop_values":
+        del state["values"]
+    elif corrupt == "col_length":
+        state["col_indices"] = state["col_indices"][:-1]
+    elif corrupt == "bias_shape":
+        state["bias"] = torch.zeros(47)
+    elif corrupt == "block_shape":
+        state["values"] = state["values"].reshape(-1, 8, 16)
+    elif corrupt == "crow_shape":
+        state["crow_indices"] = torch.cat([state["crow_indices"], state["crow_indices"][-1:]])
+    else:
+        state["col_indices"] = state["col_indices"] + 100
+    for strict in (True, False):
+        with pytest.raises(ValueError, match="BSRLinear.load_state_dict"):
+            layer.load_state_dict(state, strict=strict)
+    after = layer.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    layer(torch.randn(2, 64))  # still usable
+
+
+def test_meta_device_init_then_assign_load(backend):
+    source = _layer(0.4, 2)
+    with torch.device("meta"):
+        layer = _layer(0.9, 3)
+    assert layer.values.device.type == "meta" and layer.crow_indices.device.type == "meta"
+    layer.load_state_dict(source.state_dict(), assign=True)
+    assert layer.values.device.type == "cpu" and isinstance(layer.values, torch.nn.Parameter)
+    x = torch.randn(3, 64)
+    assert_close(layer(x), source(x), k=64)
+    explicit = _layer(0.5, 0, device="meta")
+    assert explicit.values.is_meta and explicit.bias is not None and explicit.bias.is_meta
