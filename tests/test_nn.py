@@ -299,3 +299,46 @@ def test_meta_device_init_then_assign_load(backend):
     assert_close(layer(x), source(x), k=64)
     explicit = _layer(0.5, 0, device="meta")
     assert explicit.values.is_meta and explicit.bias is not None and explicit.bias.is_meta
+
+
+# -- the custom ops: opcheck on each, second order (issue 24, item 4) ----------------------------------
+
+
+def _opcheck_samples():
+    from bsrkit import custom_ops
+
+    layer = BSRLinear(16, 12, (4, 2), density=0.6, generator=torch.Generator().manual_seed(0))
+    crow, col = layer.crow_indices, layer.col_indices
+    values = layer.values.detach().double().requires_grad_()
+    yield custom_ops.bsr_mm, (crow, col, values, torch.randn(16, 3, dtype=torch.float64), 12, 16, False)
+    yield custom_ops.bsr_mm, (crow, col, values, torch.randn(12, 3, dtype=torch.float64), 12, 16, True)
+    x = torch.randn(16, 3, dtype=torch.float64, requires_grad=True)
+    yield custom_ops.bsr_mm, (crow, col, values, x, 12, 16, False)
+    m1 = torch.randn(12, 5, dtype=torch.float64, requires_grad=True)
+    m2 = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    yield custom_ops.sampled_mm, (crow, col, m1, m2, 4, 2)
+    yield custom_ops.sampled_mm, (crow, col, m1.detach(), m2.detach(), 4, 2)
+
+
+def test_opcheck_every_custom_op(backend):
+    if backend == "triton":
+        pytest.skip("interpreter time: the registration is backend-free")
+    assert set(torch.ops.bsrkit) == {"bsr_mm", "sampled_mm"}  # (a new op must join this test)
+    for op, args in _opcheck_samples():
+        torch.library.opcheck(op, args)
+
+
+def test_gradgradcheck_bsrlinear_values_and_input(backend):
+    if backend == "triton":
+        pytest.skip(
+            "interpreter time (minutes): the formulas are backend-free; Triton's products are checked"
+        )
+    layer = BSRLinear(8, 8, (4, 2), density=0.6, generator=torch.Generator().manual_seed(0)).double()
+    x = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+
+    def f(values, x):
+        return torch.func.functional_call(layer, {"values": values}, (x,))
+
+    values = layer.values.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(f, (values, x))
+    assert torch.autograd.gradgradcheck(f, (values, x))

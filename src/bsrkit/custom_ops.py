@@ -1,5 +1,6 @@
-"""The products as ``torch.library`` custom ops, with fake (meta) kernels and autograd formulas, so that
-``torch.compile(..., fullgraph=True)`` traces models that use them (``bsrkit.nn.BSRLinear``).
+"""The products as ``torch.library`` custom ops, with fake (meta) kernels and autograd formulas (made of
+the same two ops, so twice differentiable), so that ``torch.compile(..., fullgraph=True)`` traces models
+that use them (``bsrkit.nn.BSRLinear``).
 
 The sparse operand travels as strided parts (``crow``, ``col``, ``values``): custom ops cannot take BSR
 tensors. Plans are cached on the ``(crow, col)`` pair, so an entry lives as long as those index tensors
@@ -117,3 +118,23 @@ def _backward_bsr_mm(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
 
 
 torch.library.register_autograd("bsrkit::bsr_mm", _backward_bsr_mm, setup_context=_setup_bsr_mm)
+
+
+def _setup_sampled_mm(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    crow, col, mat1, mat2, _, _ = inputs
+    ctx.save_for_backward(crow, col, mat1, mat2)
+
+
+def _backward_sampled_mm(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    # V = (M1 M2)|P, G the BSR (crow, col, grad) of shape (M, N):  dM1 = G M2^T,  dM2 = M1^T G = (G^T M1)^T.
+    crow, col, mat1, mat2 = ctx.saved_tensors
+    M, N = mat1.shape[0], mat2.shape[1]
+    grad_mat1 = grad_mat2 = None
+    if ctx.needs_input_grad[2]:
+        grad_mat1 = bsr_mm(crow, col, grad, mat2.mT, M, N, False)
+    if ctx.needs_input_grad[3]:
+        grad_mat2 = bsr_mm(crow, col, grad, mat1, M, N, True).mT
+    return None, None, grad_mat1, grad_mat2, None, None
+
+
+torch.library.register_autograd("bsrkit::sampled_mm", _backward_sampled_mm, setup_context=_setup_sampled_mm)
