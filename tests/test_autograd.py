@@ -286,3 +286,17 @@ def test_sampled_addmm_second_order_matches_the_reference(backend):
     for got, want in zip(*results, strict=True):
         assert want.norm() > 0.1
         assert_close(got, want, k=8)
+
+
+def test_transposed_product_of_expanded_values_copies_no_block(backend):
+    # Every block one expanded block (stride 0): the transpose needs no gather (it was nnz copies).
+    from bsrkit.operand import Operand
+
+    pattern = random_bsr((32, 48), (4, 8), 0.6, torch.float64)
+    one = torch.randn(1, 4, 8, dtype=torch.float64)
+    bsr = _bsr_from(pattern, one.expand(pattern.values().shape))
+    assert Operand.of(bsr).transposed().values.stride(-3) == 0
+    dense = torch.randn(32, 5, dtype=torch.float64)
+    assert_close(
+        bsrkit.bsr_transposed_dense_mm(bsr, dense), reference.bsr_transposed_dense_mm(bsr, dense), k=32
+    )

@@ -27,6 +27,9 @@ __all__ = ["bsr_scatter_mm", "bsr_scatter_mm_indices_data", "scatter_mm"]
 _INDICES_FORMATS = ("bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm")
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def bsr_scatter_mm_indices_data(
     bsr: torch.Tensor,
     other: torch.Tensor,
@@ -37,7 +40,9 @@ def bsr_scatter_mm_indices_data(
 
     Computed with vectorized torch ops and cached in the shared plan cache, keyed on ``bsr``'s indices
     (the entry lives exactly as long as ``bsr``). For the ``bsr_strided_mm*`` formats the last item is
-    the meta dict (``SPLIT_N``, ``is_compressed``).
+    the meta dict (``SPLIT_N``, ``is_compressed``). Offsets into ``other`` (up to ``K * N``) take the
+    dtype of ``bsr``'s indices, as torch's do; where int32 indices cannot hold them a ``ValueError`` says
+    so (torch's wrap around to negative values).
     """
     op = "bsr_scatter_mm_indices_data"
     check_bsr(op, "bsr", bsr)
@@ -59,7 +64,19 @@ def bsr_scatter_mm_indices_data(
                 f"{op}(): the 'scatter_mm' format needs other.shape[-1] divisible by the block "
                 f"height {Ms}, got {N}"
             )
+        tiles = nbatches * (K // Ks) * (N // Ms)  # the largest tile index in its int32 pairs, plus one
+        if tiles > _INT32_MAX + 1:
+            raise ValueError(
+                f"{op}(): the 'scatter_mm' format indexes the tiles of other with int32, but other has "
+                f"{tiles} tiles (> 2**31): use another indices_format"
+            )
         return plans.scatter_mm_indices(bsr, indices_format, N, nbatches, 0)
+    if bsr.col_indices().dtype == torch.int32 and K * N - 1 > _INT32_MAX:
+        # The offsets into other take the indices' dtype (torch's layout); torch's own would wrap around.
+        raise ValueError(
+            f"{op}(): offsets into other reach K * N - 1 = {K * N - 1} > 2**31 - 1, which overflows bsr's "
+            "int32 indices: give bsr int64 indices (crow_indices().long(), col_indices().long())"
+        )
     meta = tuning.scatter_mm_meta(M, K, N, Ms, Ks, **meta_input)
     if "allow_tf32" not in meta_input:  # as torch: TF32 dots for half types only
         meta["allow_tf32"] = bsr.dtype in (torch.float16, torch.bfloat16)

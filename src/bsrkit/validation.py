@@ -230,7 +230,10 @@ def _tile_defect(name: str, offsets: torch.Tensor, N: int, rows: int, cols: int,
         return None
     o = offsets.long()
     if int(o.min()) < 0:
-        return f"expected non-negative {name}, got {int(o.min())}"
+        hint = " (an int32 offset that overflowed? build the indices data from int64 indices)"
+        return f"expected non-negative {name}, got {int(o.min())}" + (
+            hint if offsets.dtype == torch.int32 else ""
+        )
     if int((o // N).max()) + rows > R or int((o % N).max()) + cols > N:
         return f"expected {name} of ({rows} x {cols}) tiles inside a ({R} x {N}) matrix"
     return None
