@@ -315,3 +315,19 @@ def test_scatter_mm_format_refuses_more_tiles_than_int32_holds():
     other = torch.zeros(()).expand(2**20, 64, 2**12)  # 2**38 tiles of other
     with pytest.raises(ValueError, match="int32"):
         bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format="scatter_mm")
+
+
+def test_indices_data_paths_refuse_arguments_that_require_grad():
+    # They are not differentiable (nor are torch's): a gradient must not be cut off silently.
+    bsr = random_bsr((16, 32), (4, 4), 0.5)
+    other = torch.randn(32, 8, requires_grad=True)
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, other)
+    with pytest.raises(ValueError, match="other not to require grad"):
+        bsrkit.bsr_scatter_mm(bsr, other, indices_data=data)
+    with pytest.raises(ValueError, match="blocks not to require grad"):
+        bsrkit.scatter_mm(bsr.values().clone().requires_grad_(), other.detach(), data)
+    with torch.no_grad():
+        bsrkit.bsr_scatter_mm(bsr, other, indices_data=data)
+    got = bsrkit.bsr_scatter_mm(bsr, other)  # without indices data: differentiable
+    got.sum().backward()
+    assert other.grad is not None

@@ -14,6 +14,7 @@ import torch
 
 from bsrkit import autograd, dispatch
 from bsrkit.dispatch import select_backend
+from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
 from bsrkit.validation import (
     SUPPORTED_DTYPES,
@@ -338,6 +339,7 @@ _SAME_DTYPE, _SAME_SHAPE = 1, 2
 # -- sampled dense-dense products (SDDMM) ------------------------------------------------------------
 
 
+@eager_under_compile
 def sampled_addmm(
     input: torch.Tensor,
     mat1: torch.Tensor,

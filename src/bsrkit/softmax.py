@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bsrkit import dispatch
+from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
 from bsrkit.validation import check_bsr
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["bsr_softmax"]
 
 
+@eager_under_compile
 def bsr_softmax(input: torch.Tensor, max_row_nnz: int | None = None) -> torch.Tensor:
     r"""Softmax over each row's stored entries of the BSR tensor ``input`` (unstored entries are
     :math:`-\infty`, so they get no weight); returns a BSR tensor with ``input``'s indices (copies) and
