@@ -43,6 +43,7 @@ __all__ = [
 # -- the main products --------------------------------------------------------------------------------
 
 
+@eager_under_compile
 def bsr_dense_mm(
     bsr: torch.Tensor,
     dense: torch.Tensor,
@@ -70,6 +71,7 @@ def bsr_dense_mm(
     return checked_addmm("bsr_dense_mm", None, bsr, dense, beta=0.0, alpha=1.0, out=out, meta=meta)
 
 
+@eager_under_compile
 def bsr_transposed_dense_mm(
     bsr: torch.Tensor,
     dense: torch.Tensor,
@@ -88,6 +90,7 @@ def bsr_transposed_dense_mm(
     )
 
 
+@eager_under_compile
 def bsr_dense_addmm(
     input: torch.Tensor,
     bsr: torch.Tensor,
@@ -120,6 +123,7 @@ def bsr_dense_addmm(
     )
 
 
+@eager_under_compile
 def _int_bsr_dense_addmm(
     input: torch.Tensor,
     bsr: torch.Tensor,
