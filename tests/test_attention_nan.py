@@ -94,3 +94,17 @@ def test_all_excluded_rows_stay_zero_and_nan_free(path):
     q[0, 0] = float("nan")
     out = bsrkit.scaled_dot_product_attention(q, k, v, mask)
     assert torch.equal(out[0], torch.zeros(E)) and not out.isnan().any()
+
+
+def test_double_backward_raises_instead_of_dropping_the_second_order(path):
+    # A gradient penalty on dq: the attention's backward has no graph, so it must say so when
+    # differentiated again (it returned a dq without a graph: the penalty's gradient was silently 0).
+    if path == "triton":
+        pytest.skip("interpreter time")
+    mask = bsrkit.sliding_window_mask(L, WINDOW, BS)
+    q, k, v = (torch.randn(L, E, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = bsrkit.scaled_dot_product_attention(q, k, v, mask)
+    (dq,) = torch.autograd.grad((out * torch.randn_like(out)).sum(), q, create_graph=True)
+    assert dq.requires_grad
+    with pytest.raises(RuntimeError, match=r"scaled_dot_product_attention\(\): double backward"):
+        dq.pow(2).sum().backward()

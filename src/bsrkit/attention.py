@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bsrkit import dispatch, plans
+from bsrkit import autograd, dispatch, plans
 from bsrkit.cache import weak_lru_cache
 from bsrkit.eager import eager_under_compile
 from bsrkit.masks import (  # (re-exported: the builders lived here)
@@ -399,7 +399,7 @@ class _Attention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @autograd.first_order_only("scaled_dot_product_attention")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         backends, fused, a, mask, is_causal, compute, scale, _, batch, was_fused, bias = ctx.args
         query, key, value, x, y = ctx.saved_tensors

@@ -22,6 +22,8 @@ on torch 2.13), so make the values the leaf: ``bsr = torch.sparse_bsr_tensor(cro
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +34,39 @@ from bsrkit.operand import Operand
 if TYPE_CHECKING:
     from bsrkit.backends.base import Backend
 
-__all__ = ["BsrDenseAddmm", "SampledAddmm", "product", "sampled"]
+__all__ = ["BsrDenseAddmm", "SampledAddmm", "first_order_only", "product", "sampled"]
+
+
+def first_order_only(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A backward computed without a graph (``bsr_softmax``'s, the attention's), as torch's
+    ``once_differentiable``, but also marked when only its *saved* tensors require grad (a gradient
+    penalty: a constant incoming gradient, inputs that require grad), where torch's leaves the gradients
+    without a graph, so that a second-order term would silently be missing. Under ``create_graph`` the
+    gradients it returns raise a ``RuntimeError`` naming ``op`` when differentiated again."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def backward(ctx: Any, *grads: Any) -> Any:
+            with torch.no_grad():
+                outputs = fn(ctx, *grads)
+            if not torch.is_grad_enabled():
+                return outputs
+            tracked = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor)]
+            if not any(t.requires_grad for t in tracked):
+                return outputs
+            positions = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)]
+            message = f"{op}(): double backward is not supported (its backward is computed without a graph)"
+            delayed = torch._C._functions.DelayedError(message.encode(), len(positions))
+            marked = delayed(*(outputs[i].detach().requires_grad_() for i in positions))
+            marked = marked if isinstance(marked, tuple) else (marked,)
+            result = list(outputs)
+            for i, t in zip(positions, marked, strict=True):
+                result[i] = t
+            return tuple(result)
+
+        return backward
+
+    return decorate
 
 
 def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:

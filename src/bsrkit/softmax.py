@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bsrkit import dispatch
+from bsrkit import autograd, dispatch
 from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
 from bsrkit.validation import check_bsr
@@ -74,7 +74,7 @@ class BsrSoftmax(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @autograd.first_order_only("bsr_softmax")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         (y,) = ctx.saved_tensors
         return dispatch.softmax_backward(ctx.backend, ctx.a, y, grad), None, None
