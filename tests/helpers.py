@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
 from bsrkit.reference import tolerances
 
-__all__ = ["DTYPES", "assert_close", "random_bsr", "tolerances"]
+__all__ = ["DTYPES", "assert_close", "random_bsr", "run_python", "tolerances"]
+
+SRC = Path(__file__).parents[1] / "src"
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -78,3 +86,21 @@ def _to_bsr(dense: torch.Tensor, mask: torch.Tensor, blocksize: tuple[int, int])
         size=dense.shape,
         check_invariants=True,
     )
+
+
+def run_python(code: str, timeout: float = 300, env: dict[str, str] | None = None) -> dict:
+    """Run ``code`` in a fresh Python process (this tree's ``src`` first on the path, a temporary working
+    directory, a hard time limit) and return the JSON object its last line of stdout prints."""
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join([str(SRC), full_env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory(prefix="bsrkit-run-") as cwd:
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            env=full_env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

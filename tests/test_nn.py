@@ -162,3 +162,183 @@ def test_plans_follow_a_loaded_pattern_also_through_to_bsr():
     a.load_state_dict(b.state_dict())
     got = bsrkit.bsr_dense_mm(a.to_bsr().detach(), x)
     torch.testing.assert_close(got, b.to_dense() @ x)
+
+
+# -- operands of different dtypes raise as nn.Linear does (they used to crash or give garbage) ---------
+
+
+@pytest.mark.parametrize(
+    ("layer_dtype", "x_dtype"),
+    [
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float64),
+        (torch.float32, torch.float16),
+        (torch.float32, torch.int64),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("n", [1, 16, 32])
+def test_mixed_dtypes_raise_like_nn_linear(backend, layer_dtype, x_dtype, n):
+    layer = BSRLinear(64, 32, 16, density=1.0, generator=torch.Generator().manual_seed(0)).to(layer_dtype)
+    x = torch.randn(n, 64).to(x_dtype)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype") as linear:
+        torch.nn.Linear(64, 32).to(layer_dtype)(x)
+    with pytest.raises(RuntimeError, match="same dtype") as ours:
+        layer(x)
+    assert isinstance(ours.value, TypeError) and isinstance(ours.value, ValueError)
+    assert str(layer_dtype) in str(ours.value) and str(x_dtype) in str(ours.value), linear.value
+
+
+def test_custom_op_checks_dtypes_and_shapes_itself(backend):
+    from bsrkit import custom_ops
+
+    layer = BSRLinear(32, 32, 8, density=0.5, generator=torch.Generator().manual_seed(0))
+    crow, col, values = layer.crow_indices, layer.col_indices, layer.values.detach()
+    for dense in (torch.randn(32, 4, dtype=torch.float64), torch.randn(32, 4).half()):
+        with pytest.raises(TypeError, match="values.dtype"):
+            custom_ops.bsr_mm(crow, col, values, dense, 32, 32, False)
+    with pytest.raises(TypeError, match="int64"):
+        custom_ops.bsr_mm(crow, col, values.long(), torch.ones(32, 4, dtype=torch.long), 32, 32, False)
+    with pytest.raises(ValueError, match="dense of shape"):
+        custom_ops.bsr_mm(crow, col, values, torch.randn(16, 4), 32, 32, False)
+    with pytest.raises(TypeError, match="mat1.dtype"):
+        custom_ops.sampled_mm(crow, col, torch.randn(32, 4), torch.randn(4, 32).double(), 8, 8)
+
+
+def test_load_state_dict_assign_with_another_dtype_raises_on_forward(backend):
+    layer = BSRLinear(64, 32, 16, density=0.5, generator=torch.Generator().manual_seed(0))
+    state = {k: v.double() if v.is_floating_point() else v for k, v in layer.state_dict().items()}
+    layer.load_state_dict(state, assign=True)
+    assert layer.values.dtype == torch.float64
+    with pytest.raises(RuntimeError, match="same dtype"):
+        layer(torch.randn(8, 64))
+    y = layer(torch.ones(8, 64, dtype=torch.float64))
+    assert y.dtype == torch.float64
+    assert_close(y, torch.ones(8, 64, dtype=torch.float64) @ layer.to_dense().mT + layer.bias.detach(), k=64)
+
+
+# -- serialization: compact col_indices, checkpoints of another nnz, meta-device initialisation --------
+
+
+def _layer(density: float, seed: int, **kw) -> BSRLinear:
+    return BSRLinear(64, 48, (16, 8), density=density, generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def test_col_indices_own_compact_storage_and_safetensors_round_trip(tmp_path):
+    layer = _layer(0.5, 0)
+    for name in ("crow_indices", "col_indices"):
+        t = getattr(layer, name)
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    path = tmp_path / "w.pt"
+    torch.save(layer.state_dict(), path)
+    payload = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+    assert path.stat().st_size < payload + 4096  # no tensor written with a storage twice its size
+    st = pytest.importorskip("safetensors.torch")
+    st.save_model(layer, str(tmp_path / "w.safetensors"))
+    other = _layer(0.5, 1)
+    st.load_model(other, str(tmp_path / "w.safetensors"))
+    x = torch.randn(5, 64)
+    assert torch.equal(other(x), layer(x))
+
+
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("strict", [True, False])
+def test_loads_a_checkpoint_of_another_nnz(backend, assign, strict):
+    source, layer = _layer(0.3, 0), _layer(0.8, 1)
+    assert source.values.shape[0] != layer.values.shape[0]
+    x = torch.randn(7, 64)
+    layer(x)  # plans cached for the old pattern
+    result = layer.load_state_dict(source.state_dict(), strict=strict, assign=assign)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert layer.values.shape == source.values.shape and layer.values.requires_grad
+    assert isinstance(layer.values, torch.nn.Parameter)
+    assert torch.equal(layer.to_dense(), source.to_dense())
+    assert_close(layer(x), source(x), k=64)
+    layer(x).sum().backward()
+    assert layer.values.grad is not None and layer.values.grad.shape == source.values.shape
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    ["drop_col", "drop_values", "col_length", "bias_shape", "block_shape", "crow_shape", "col_range"],
+)
+def test_a_checkpoint_it_cannot_take_changes_nothing(corrupt):
+    source, layer = _layer(0.3, 0), _layer(0.8, 1)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    state = dict(source.state_dict())
+    if corrupt == "drop_col":
+        del state["col_indices"]
+    elif corrupt == "drop_values":
+        del state["values"]
+    elif corrupt == "col_length":
+        state["col_indices"] = state["col_indices"][:-1]
+    elif corrupt == "bias_shape":
+        state["bias"] = torch.zeros(47)
+    elif corrupt == "block_shape":
+        state["values"] = state["values"].reshape(-1, 8, 16)
+    elif corrupt == "crow_shape":
+        state["crow_indices"] = torch.cat([state["crow_indices"], state["crow_indices"][-1:]])
+    else:
+        state["col_indices"] = state["col_indices"] + 100
+    for strict in (True, False):
+        with pytest.raises(ValueError, match="BSRLinear.load_state_dict"):
+            layer.load_state_dict(state, strict=strict)
+    after = layer.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    layer(torch.randn(2, 64))  # still usable
+
+
+def test_meta_device_init_then_assign_load(backend):
+    source = _layer(0.4, 2)
+    with torch.device("meta"):
+        layer = _layer(0.9, 3)
+    assert layer.values.device.type == "meta" and layer.crow_indices.device.type == "meta"
+    layer.load_state_dict(source.state_dict(), assign=True)
+    assert layer.values.device.type == "cpu" and isinstance(layer.values, torch.nn.Parameter)
+    x = torch.randn(3, 64)
+    assert_close(layer(x), source(x), k=64)
+    explicit = _layer(0.5, 0, device="meta")
+    assert explicit.values.is_meta and explicit.bias is not None and explicit.bias.is_meta
+
+
+# -- the custom ops: opcheck on each, second order (issue 24, item 4) ----------------------------------
+
+
+def _opcheck_samples():
+    from bsrkit import custom_ops
+
+    layer = BSRLinear(16, 12, (4, 2), density=0.6, generator=torch.Generator().manual_seed(0))
+    crow, col = layer.crow_indices, layer.col_indices
+    values = layer.values.detach().double().requires_grad_()
+    yield custom_ops.bsr_mm, (crow, col, values, torch.randn(16, 3, dtype=torch.float64), 12, 16, False)
+    yield custom_ops.bsr_mm, (crow, col, values, torch.randn(12, 3, dtype=torch.float64), 12, 16, True)
+    x = torch.randn(16, 3, dtype=torch.float64, requires_grad=True)
+    yield custom_ops.bsr_mm, (crow, col, values, x, 12, 16, False)
+    m1 = torch.randn(12, 5, dtype=torch.float64, requires_grad=True)
+    m2 = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    yield custom_ops.sampled_mm, (crow, col, m1, m2, 4, 2)
+    yield custom_ops.sampled_mm, (crow, col, m1.detach(), m2.detach(), 4, 2)
+
+
+def test_opcheck_every_custom_op(backend):
+    if backend == "triton":
+        pytest.skip("interpreter time: the registration is backend-free")
+    assert set(torch.ops.bsrkit) == {"bsr_mm", "sampled_mm"}  # (a new op must join this test)
+    for op, args in _opcheck_samples():
+        torch.library.opcheck(op, args)
+
+
+def test_gradgradcheck_bsrlinear_values_and_input(backend):
+    if backend == "triton":
+        pytest.skip(
+            "interpreter time (minutes): the formulas are backend-free; Triton's products are checked"
+        )
+    layer = BSRLinear(8, 8, (4, 2), density=0.6, generator=torch.Generator().manual_seed(0)).double()
+    x = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+
+    def f(values, x):
+        return torch.func.functional_call(layer, {"values": values}, (x,))
+
+    values = layer.values.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(f, (values, x))
+    assert torch.autograd.gradgradcheck(f, (values, x))

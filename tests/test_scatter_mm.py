@@ -280,3 +280,54 @@ def test_cpu_plan_lives_as_long_as_the_indices_data(monkeypatch):
     assert (info.hits, info.misses, info.currsize) == (2, 2, 2)  # the verdict and the gemm list
     del data
     assert bsrkit.cache_info().currsize == 0
+
+
+# -- offsets beyond int32 (issue 24, item 7) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm"])
+def test_int32_indices_that_would_overflow_raise_naming_it(fmt):
+    K, N = 2**16, 2**15 + 16  # K * N > 2**31: other's offsets exceed int32 (expanded views: no memory)
+    b64 = random_bsr((16, K), (16, 16), 0.01, torch.float32)
+    b32 = torch.sparse_bsr_tensor(
+        b64.crow_indices().int(), b64.col_indices().int(), b64.values(), size=b64.shape
+    )
+    other = torch.zeros(()).expand(K, N)
+    with pytest.raises(ValueError, match=r"overflows bsr's int32 indices.*int64"):
+        bsrkit.bsr_scatter_mm_indices_data(b32, other, indices_format=fmt)
+    data = bsrkit.bsr_scatter_mm_indices_data(b64, other, indices_format=fmt)  # int64: no overflow
+    assert int(data[-2].min()) >= 0 and data[-2].dtype == torch.int64
+    small = torch.zeros(()).expand(K, 2**15)  # K * N == 2**31: every offset fits, int32 as torch's
+    assert bsrkit.bsr_scatter_mm_indices_data(b32, small, indices_format=fmt)[-2].dtype == torch.int32
+
+
+def test_negative_int32_offsets_name_the_overflow():
+    bsr = random_bsr((16, 32), (4, 4), 0.5, torch.float32)
+    other = torch.randn(32, 8)
+    data = list(bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format="bsr_strided_mm"))
+    data[-2] = data[-2].int() - 2**30 * 2  # wrapped around, as torch's would be
+    with pytest.raises(ValueError, match="int32 offset that overflowed"):
+        bsrkit.bsr_scatter_mm(bsr, other, indices_data=tuple(data))
+
+
+def test_scatter_mm_format_refuses_more_tiles_than_int32_holds():
+    bsr = random_bsr((4, 64), (1, 1), 0.5, torch.float32)
+    other = torch.zeros(()).expand(2**20, 64, 2**12)  # 2**38 tiles of other
+    with pytest.raises(ValueError, match="int32"):
+        bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format="scatter_mm")
+
+
+def test_indices_data_paths_refuse_arguments_that_require_grad():
+    # They are not differentiable (nor are torch's): a gradient must not be cut off silently.
+    bsr = random_bsr((16, 32), (4, 4), 0.5)
+    other = torch.randn(32, 8, requires_grad=True)
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, other)
+    with pytest.raises(ValueError, match="other not to require grad"):
+        bsrkit.bsr_scatter_mm(bsr, other, indices_data=data)
+    with pytest.raises(ValueError, match="blocks not to require grad"):
+        bsrkit.scatter_mm(bsr.values().clone().requires_grad_(), other.detach(), data)
+    with torch.no_grad():
+        bsrkit.bsr_scatter_mm(bsr, other, indices_data=data)
+    got = bsrkit.bsr_scatter_mm(bsr, other)  # without indices data: differentiable
+    got.sum().backward()
+    assert other.grad is not None

@@ -5,16 +5,16 @@ data derived from a BSR tensor's indices) are cached under memory-identity keys 
 references: an entry lives exactly as long as the index memory it was computed from.
 """
 
-from bsrkit.attention import (
+from bsrkit.attention import scaled_dot_product_attention
+from bsrkit.cache import CacheInfo, weak_lru_cache
+from bsrkit.keys import TensorKey
+from bsrkit.masks import (
     block_local_mask,
     causal_mask,
     mask_from_block_mask,
     mask_from_dense,
-    scaled_dot_product_attention,
     sliding_window_mask,
 )
-from bsrkit.cache import CacheInfo, weak_lru_cache
-from bsrkit.keys import TensorKey
 from bsrkit.ops import (
     _int_bsr_dense_addmm,
     bsr_dense_addmm,

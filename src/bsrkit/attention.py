@@ -25,9 +25,10 @@ recomputes :math:`W` from it), blocks whose entries are all allowed get no bias 
 allowed are skipped (:func:`block_bias`); memory beyond the inputs and outputs is O(L).
 ``BSRKIT_FUSED_ATTENTION=0`` turns the fused loops off.
 
-The builders return bool BSR masks ``(L, S)`` whose stored blocks are exactly those holding an allowed
-entry, with each entry's value saying whether it is allowed. They take O(nnz) time and memory (each block
-row's stored blocks follow from the window's bounds; only their entries are evaluated).
+The mask builders (:mod:`bsrkit.masks`, re-exported here) return bool BSR masks whose stored blocks are
+exactly those holding an allowed entry. NaN in ``query``, ``key`` or the bias reaches the output rows that
+attend it, as the math does; an entry a mask excludes stays excluded whatever its score. Under
+``torch.compile`` this runs eagerly (a graph break around the compiled loops).
 """
 
 from __future__ import annotations
@@ -38,8 +39,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bsrkit import dispatch, plans
+from bsrkit import autograd, dispatch, plans
 from bsrkit.cache import weak_lru_cache
+from bsrkit.eager import eager_under_compile
+from bsrkit.masks import (  # (re-exported: the builders lived here)
+    block_local_mask,
+    causal_mask,
+    mask_from_block_mask,
+    mask_from_dense,
+    sliding_window_mask,
+)
 from bsrkit.operand import Operand
 from bsrkit.validation import (
     SUPPORTED_DTYPES,
@@ -63,6 +72,7 @@ _OP = "scaled_dot_product_attention"
 _SAMPLED, _MM, _MM_T = "sampled_addmm", "bsr_dense_mm", "bsr_transposed_dense_mm"
 
 
+@eager_under_compile
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -389,7 +399,7 @@ class _Attention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @autograd.first_order_only("scaled_dot_product_attention")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         backends, fused, a, mask, is_causal, compute, scale, _, batch, was_fused, bias = ctx.args
         query, key, value, x, y = ctx.saved_tensors
@@ -449,231 +459,3 @@ def _composed_backward(
             dispatch.addmm(_MM_T, addmm, None, product, query, dk, batch, 0.0, scale, None)
             grad_k = dk.sum_to_size(key.shape)
     return grad_q, grad_k, grad_v
-
-
-# -- mask builders -------------------------------------------------------------------------------------
-
-
-def _blocksize(op: str, blocksize: Any) -> tuple[int, int]:
-    bs = (
-        (blocksize, blocksize)
-        if isinstance(blocksize, int) and not isinstance(blocksize, bool)
-        else blocksize
-    )
-    if (
-        not isinstance(bs, tuple)
-        or len(bs) != 2
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in bs)
-    ):
-        raise ValueError(f"{op}(): expected blocksize to be an int >= 1 or a pair of them, got {blocksize!r}")
-    return bs
-
-
-def _from_intervals(
-    op: str,
-    L: int,
-    S: int,
-    blocksize: tuple[int, int],
-    intervals: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    allowed: Any,
-    device: torch.device | str | None,
-) -> torch.Tensor:
-    """The bool BSR ``(L, S)`` whose candidate blocks are the block-column ``intervals`` (row, start, end
-    exclusive; sorted by row, then start; disjoint) and whose values are ``allowed(i, j, r, c)`` (entry
-    and block indices as broadcast tensors). Candidates holding no allowed entry are dropped. O(nnz) time
-    and memory: only the stored blocks' entries are ever evaluated."""
-    Ms, Ns = blocksize
-    if L % Ms or S % Ns:
-        raise ValueError(f"{op}(): expected the blocksize {blocksize} to divide (L, S) == {(L, S)}")
-    MB = L // Ms
-    row, start, end = intervals
-    keep = end > start
-    row, start, end = row[keep], start[keep], end[keep]
-    lengths = end - start
-    nnz = int(lengths.sum())
-    rows = torch.repeat_interleave(row, lengths)
-    first = torch.cumsum(lengths, 0) - lengths  # index of each interval's first block
-    cols = torch.repeat_interleave(start - first, lengths) + torch.arange(nnz, device=device)
-    r, c = rows[:, None, None], cols[:, None, None]
-    i = r * Ms + torch.arange(Ms, device=device)[:, None]
-    j = c * Ns + torch.arange(Ns, device=device)
-    values = allowed(i, j, r, c).expand(nnz, Ms, Ns)
-    stored = values.reshape(nnz, -1).view(torch.uint8).amax(-1).bool() if nnz else rows.bool()
-    if not bool(stored.all()):
-        rows, cols, values = rows[stored], cols[stored], values[stored]
-    crow = torch.zeros(MB + 1, dtype=torch.int64, device=device)
-    crow[1:] = torch.bincount(rows, minlength=MB).cumsum(0)
-    return torch.sparse_bsr_tensor(
-        crow,
-        cols,
-        values.contiguous(),
-        size=(L, S),
-        check_invariants=False,  # (built valid)
-    )
-
-
-def sliding_window_mask(
-    L: int,
-    window: int | tuple[int, int],
-    blocksize: int | tuple[int, int] = 128,
-    S: int | None = None,
-    *,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Query ``i`` attends to keys ``i - left <= j <= i + right``, with ``window`` = ``w`` meaning
-    ``left = right = w`` (``(w, 0)``: causal sliding window). ``S`` defaults to ``L``. O(nnz) time and
-    memory: the stored blocks of block row ``r`` are the block columns meeting
-    ``[r Ms - left, r Ms + Ms - 1 + right]``."""
-    op = "sliding_window_mask"
-    left, right = (window, window) if isinstance(window, int) else window
-    if left < 0 or right < 0:
-        raise ValueError(f"{op}(): expected window sizes >= 0, got {window!r}")
-    S = L if S is None else S
-    Ms, Ns = _blocksize(op, blocksize)
-    r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
-    lo = (r * Ms - left).clamp(min=0)  # first and last allowed key column of the block row
-    hi = (r * Ms + Ms - 1 + right).clamp(max=S - 1)
-    start = torch.div(lo, Ns, rounding_mode="floor")
-    end = torch.where(lo <= hi, torch.div(hi, Ns, rounding_mode="floor") + 1, start)
-    return _from_intervals(
-        op, L, S, (Ms, Ns), (r, start, end), lambda i, j, r, c: (j >= i - left) & (j <= i + right), device
-    )
-
-
-def causal_mask(
-    L: int,
-    blocksize: int | tuple[int, int] = 128,
-    S: int | None = None,
-    *,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Query ``i`` attends to keys ``j <= i`` (top-left aligned, as ``is_causal`` in torch). O(nnz)."""
-    op = "causal_mask"
-    S = L if S is None else S
-    Ms, Ns = _blocksize(op, blocksize)
-    r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
-    hi = (r * Ms + Ms - 1).clamp(max=S - 1)
-    end = torch.where(hi >= 0, torch.div(hi, Ns, rounding_mode="floor") + 1, 0)
-    return _from_intervals(
-        op, L, S, (Ms, Ns), (r, torch.zeros_like(r), end), lambda i, j, r, c: j <= i, device
-    )
-
-
-def block_local_mask(
-    L: int,
-    blocksize: int | tuple[int, int] = 128,
-    S: int | None = None,
-    *,
-    neighbours: int = 0,
-    global_tokens: int = 0,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Block-local attention with global tokens (Longformer/BigBird style): query block ``r`` attends to
-    key blocks ``r - neighbours .. r + neighbours`` (blocks of ``blocksize``), the first
-    ``global_tokens`` queries attend to every key, and every query attends to the first
-    ``global_tokens`` keys. O(nnz): each block row stores at most two runs of block columns."""
-    op = "block_local_mask"
-    Ms, Ns = _blocksize(op, blocksize)
-    if neighbours < 0 or global_tokens < 0:
-        raise ValueError(
-            f"{op}(): expected neighbours >= 0 and global_tokens >= 0, got {neighbours}, {global_tokens}"
-        )
-    S = L if S is None else S
-    NB = S // Ns if S % Ns == 0 else 0
-    r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
-    g = global_tokens
-    n_global = min(-(-g // Ns), NB)  # block columns holding a global key
-    local_lo = (r - neighbours).clamp(min=0)
-    local_hi = torch.maximum((r + neighbours + 1).clamp(max=NB), local_lo)  # (exclusive)
-    global_row = r * Ms < g  # the block row holds a global query: every column
-    merged = local_lo <= n_global  # [0, n_global) and the local run touch: one run
-    first_end = torch.where(merged, torch.maximum(local_hi, torch.full_like(r, n_global)), n_global)
-    first_end = torch.where(global_row, NB, first_end)
-    second_start = torch.where(merged | global_row, first_end, local_lo)
-    second_end = torch.where(merged | global_row, first_end, local_hi)
-    rows = torch.stack([r, r], 1).reshape(-1)
-    starts = torch.stack([torch.zeros_like(r), second_start], 1).reshape(-1)
-    ends = torch.stack([first_end, second_end], 1).reshape(-1)
-
-    def allowed(i: torch.Tensor, j: torch.Tensor, r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return ((c - r).abs() <= neighbours) | (i < g) | (j < g)
-
-    return _from_intervals(op, L, S, (Ms, Ns), (rows, starts, ends), allowed, device)
-
-
-def mask_from_dense(mask: torch.Tensor, blocksize: int | tuple[int, int]) -> torch.Tensor:
-    """The bool BSR of a dense bool mask ``(*B, L, S)``: the blocks holding a True entry are stored, with
-    the mask's values. Batched masks store the union of the batches' blocks (a batched BSR tensor has one
-    block count), False where a batch has nothing."""
-    op = "mask_from_dense"
-    if not isinstance(mask, torch.Tensor) or mask.layout is not torch.strided or mask.dtype != torch.bool:
-        got = f"{mask.layout}, {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(f"{op}(): expected a strided bool tensor, got {got}")
-    if mask.ndim < 2:
-        raise ValueError(f"{op}(): expected mask of shape (*B, L, S), got {tuple(mask.shape)}")
-    Ms, Ns = _blocksize(op, blocksize)
-    *batch, L, S = mask.shape
-    if L % Ms or S % Ns:
-        raise ValueError(f"{op}(): expected the blocksize {(Ms, Ns)} to divide (L, S) == {(L, S)}")
-    blocks = mask.reshape(-1, L // Ms, Ms, S // Ns, Ns).transpose(2, 3)  # (B, MB, NB, Ms, Ns)
-    stored = blocks.flatten(3).any(-1).any(0)  # (MB, NB): the union over batches
-    counts = stored.sum(1)
-    crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    r, c = stored.nonzero(as_tuple=True)
-    values = blocks[:, r, c]  # (B, nnz, Ms, Ns)
-    nb = values.shape[0]
-    return torch.sparse_bsr_tensor(
-        crow.expand(*batch, -1).contiguous() if batch else crow,
-        c.expand(nb, -1).reshape(*batch, -1).contiguous() if batch else c,
-        values.reshape(*batch, *values.shape[1:]).contiguous() if batch else values[0].contiguous(),
-        size=mask.shape,
-    )
-
-
-def mask_from_block_mask(block_mask: Any) -> torch.Tensor:
-    """The bool BSR of a FlexAttention ``BlockMask`` (``torch.nn.attention.flex_attention``), without
-    compiling: its full blocks are stored all True; its partial blocks are stored with ``mask_mod``
-    evaluated eagerly on their entries (``mask_mod`` must accept broadcast index tensors, as plain
-    tensor expressions do). A BlockMask with batch or head size 1 broadcasts; otherwise the result is
-    batched ``(B, H, L, S)`` with the union of the patterns."""
-    op = "mask_from_block_mask"
-    L, S = block_mask.seq_lengths
-    Ms, Ns = block_mask.BLOCK_SIZE
-    B, H, MB = block_mask.kv_num_blocks.shape
-    NB = -(-S // Ns)
-    if L % Ms or S % Ns:
-        raise ValueError(f"{op}(): expected the block size {(Ms, Ns)} to divide (L, S) == {(L, S)}")
-    device = block_mask.kv_num_blocks.device
-
-    def dense_blocks(num: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor:
-        present = torch.zeros((B, H, MB, NB + 1), dtype=torch.bool, device=device)
-        if num is not None and idx is not None:
-            k = torch.arange(idx.shape[-1], device=device)
-            cols = torch.where(k < num[..., None], idx.long(), NB)
-            present.scatter_(-1, cols, True)
-        return present[..., :NB]
-
-    full = dense_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    partial = dense_blocks(block_mask.kv_num_blocks, block_mask.kv_indices) & ~full
-    stored = (full | partial).flatten(0, 1).any(0)  # (MB, NB), union over (B, H)
-    r, c = stored.nonzero(as_tuple=True)
-    q_idx = r[:, None, None] * Ms + torch.arange(Ms, device=device)[:, None]  # (nnz, Ms, 1)
-    kv_idx = c[:, None, None] * Ns + torch.arange(Ns, device=device)  # (nnz, 1, Ns)
-    b_idx = torch.arange(B, device=device)[:, None, None, None, None]
-    h_idx = torch.arange(H, device=device)[None, :, None, None, None]
-    values = full[:, :, r, c][..., None, None].expand(B, H, r.numel(), Ms, Ns).clone()
-    is_partial = partial[:, :, r, c]
-    if bool(is_partial.any()):
-        evaluated = block_mask.mask_mod(b_idx, h_idx, q_idx[None, None], kv_idx[None, None])
-        evaluated = evaluated.expand(B, H, r.numel(), Ms, Ns)
-        values = torch.where(is_partial[..., None, None], evaluated, values)
-    counts = stored.sum(1)
-    crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    if B == 1 and H == 1:
-        return torch.sparse_bsr_tensor(crow, c, values[0, 0].contiguous(), size=(L, S))
-    return torch.sparse_bsr_tensor(
-        crow.expand(B, H, -1).contiguous(),
-        c.expand(B, H, -1).contiguous(),
-        values.contiguous(),
-        size=(B, H, L, S),
-    )

@@ -1,13 +1,20 @@
-r"""Backward formulas of the products.
+r"""Backward formulas of the products, themselves differentiable (double backward works).
 
-For :math:`Y = \beta C + \alpha A X` with a block-sparse :math:`A` (pattern :math:`P`):
+For :math:`Y = \beta C + \alpha\, \mathrm{op}(A) X` with a block-sparse :math:`A` (pattern :math:`P`),
+:math:`\mathrm{op}` the identity or the transpose:
 
-* :math:`\partial L/\partial X = \alpha A^T G` — the transposed product over a cached plan;
-* :math:`\partial L/\partial A = \alpha\, (G X^T)|_P` — a sampled product (SDDMM) on :math:`A`'s own
-  pattern, returned as a BSR tensor with :math:`A`'s indices;
-* :math:`\partial L/\partial C = \beta G`,
+* :math:`\partial L/\partial X = \alpha\, \mathrm{op}(A)^T G` — the other product over a cached plan;
+* :math:`\partial L/\partial A = \alpha\, (G X^T)|_P` (:math:`\alpha\, (X G^T)|_P` for the transpose) —
+  a sampled product (SDDMM) on :math:`A`'s own pattern, returned as a BSR tensor with :math:`A`'s indices;
+* :math:`\partial L/\partial C = \beta G`.
 
-each summed over the batch dimensions its operand was broadcast along. PyTorch's autograd engine cannot
+For the sampled product :math:`V = \beta V_C + \alpha\, (M_1 M_2)|_P` with the gradient :math:`G_V` of its
+values (:math:`G_V` read as the BSR :math:`\hat G` on :math:`P`): :math:`\partial M_1 = \alpha \hat G
+M_2^T`, :math:`\partial M_2 = \alpha M_1^T \hat G`, :math:`\partial V_C = \beta G_V`.
+
+Each gradient is summed over the batch dimensions its operand was broadcast along. Each backward is made
+of these same two products, called through their :class:`torch.autograd.Function`, so the gradients are
+differentiable again (a gradient penalty, ``gradgradcheck``). PyTorch's autograd engine cannot
 accumulate a gradient into a *leaf* BSR tensor ("Sparse BSR tensors do not have is_contiguous", measured
 on torch 2.13), so make the values the leaf: ``bsr = torch.sparse_bsr_tensor(crow, col, values)`` with
 ``values.requires_grad``; the BSR gradient then flows into ``values.grad``.
@@ -15,6 +22,8 @@ on torch 2.13), so make the values the leaf: ``bsr = torch.sparse_bsr_tensor(cro
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +34,39 @@ from bsrkit.operand import Operand
 if TYPE_CHECKING:
     from bsrkit.backends.base import Backend
 
-__all__ = ["BsrDenseAddmm"]
+__all__ = ["BsrDenseAddmm", "SampledAddmm", "first_order_only", "product", "sampled"]
+
+
+def first_order_only(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A backward computed without a graph (``bsr_softmax``'s, the attention's), as torch's
+    ``once_differentiable``, but also marked when only its *saved* tensors require grad (a gradient
+    penalty: a constant incoming gradient, inputs that require grad), where torch's leaves the gradients
+    without a graph, so that a second-order term would silently be missing. Under ``create_graph`` the
+    gradients it returns raise a ``RuntimeError`` naming ``op`` when differentiated again."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def backward(ctx: Any, *grads: Any) -> Any:
+            with torch.no_grad():
+                outputs = fn(ctx, *grads)
+            if not torch.is_grad_enabled():
+                return outputs
+            tracked = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor)]
+            if not any(t.requires_grad for t in tracked):
+                return outputs
+            positions = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)]
+            message = f"{op}(): double backward is not supported (its backward is computed without a graph)"
+            delayed = torch._C._functions.DelayedError(message.encode(), len(positions))
+            marked = delayed(*(outputs[i].detach().requires_grad_() for i in positions))
+            marked = marked if isinstance(marked, tuple) else (marked,)
+            result = list(outputs)
+            for i, t in zip(positions, marked, strict=True):
+                result[i] = t
+            return tuple(result)
+
+        return backward
+
+    return decorate
 
 
 def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -39,14 +80,58 @@ def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return t.sum(dim=dims, keepdim=False).reshape(shape) if dims else t.reshape(shape)
 
 
-class BsrDenseAddmm(torch.autograd.Function):
-    r"""``beta * input + left * (alpha * bsr @ dense) * right`` with gradients for every tensor.
+def _like_pattern(bsr: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The BSR with ``bsr``'s pattern and ``values`` (whose batch may be wider than ``bsr``'s)."""
+    crow, col = bsr.crow_indices(), bsr.col_indices()
+    batch = values.shape[:-3]
+    if crow.shape[:-1] != batch:
+        crow, col = crow.expand(*batch, -1).contiguous(), col.expand(*batch, -1).contiguous()
+    size = (*batch, *bsr.shape[-2:])
+    return torch.sparse_bsr_tensor(crow, col, values, size=size, check_invariants=False)
 
-    With :math:`P = \alpha A X` and :math:`G' = \ell \odot G \odot r`: :math:`\partial X = \alpha A^T G'`,
-    :math:`\partial A = \alpha (G' X^T)|_P`, :math:`\partial \ell = \sum_n G \odot P \odot r`,
-    :math:`\partial r = \sum_m G \odot P \odot \ell`, :math:`\partial C = \beta G`. Called by
-    :mod:`bsrkit.ops` with validated arguments: ``a`` is ``bsr``'s operand (None when nothing is stored)
-    and ``batch`` the broadcast batch shape.
+
+def product(
+    bsr: torch.Tensor,
+    dense: torch.Tensor,
+    transpose: bool,
+    alpha: float,
+    meta: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """``alpha * op(bsr) @ dense`` (op: transpose or identity) for operands checked before (a forward's),
+    differentiable in both."""
+    op = "bsr_transposed_dense_mm" if transpose else "bsr_dense_mm"
+    backend = dispatch.select(op, "addmm", dense.device, dense.dtype)
+    M, K = bsr.shape[-2:]
+    if transpose:
+        M, K = K, M
+    batch = torch.broadcast_shapes(bsr.shape[:-2], dense.shape[:-2])
+    a = None
+    if bsr._nnz() and M and K and alpha and dense.shape[-1]:
+        a = Operand.of(bsr, op)
+        if transpose:
+            a = a.transposed()
+    return BsrDenseAddmm.apply(
+        op, backend, None, bsr, dense, None, None, a, batch, 0.0, alpha, meta, transpose
+    )
+
+
+def sampled(pattern: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The values ``alpha * (mat1 @ mat2)|P`` at ``pattern``'s blocks, differentiable in both matrices."""
+    op = "sampled_addmm"
+    backend = dispatch.select(op, "sampled", mat1.device, mat1.dtype)
+    batch = torch.broadcast_shapes(pattern.shape[:-2], mat1.shape[:-2], mat2.shape[:-2])
+    a = Operand.of(pattern, op, "input")
+    return SampledAddmm.apply(op, backend, pattern, a, mat1, mat2, batch, 0.0, alpha)
+
+
+class BsrDenseAddmm(torch.autograd.Function):
+    r"""``beta * input + left * (alpha * op(bsr) @ dense) * right`` with gradients for every tensor.
+
+    With :math:`P = \alpha\, \mathrm{op}(A) X` and :math:`G' = \ell \odot G \odot r`: :math:`\partial X =
+    \alpha\, \mathrm{op}(A)^T G'`, :math:`\partial A = \alpha (G' X^T)|_P` (transposed: :math:`\alpha (X
+    G'^T)|_P`), :math:`\partial \ell = \sum_n G \odot P \odot r`, :math:`\partial r = \sum_m G \odot P
+    \odot \ell`, :math:`\partial C = \beta G`. Called by :mod:`bsrkit.ops` with validated arguments:
+    ``a`` is ``op(bsr)``'s operand (None when nothing is stored) and ``batch`` the broadcast batch shape.
     """
 
     @staticmethod
@@ -64,57 +149,83 @@ class BsrDenseAddmm(torch.autograd.Function):
         beta: float,
         alpha: float,
         meta: dict[str, Any] | None,
+        transpose: bool = False,
     ) -> torch.Tensor:
-        out = torch.empty((*batch, bsr.shape[-2], dense.shape[-1]), dtype=dense.dtype, device=dense.device)
+        M = bsr.shape[-1] if transpose else bsr.shape[-2]
+        out = torch.empty((*batch, M, dense.shape[-1]), dtype=dense.dtype, device=dense.device)
         dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
-        ctx.bsr = bsr.detach()
-        ctx.save_for_backward(dense, left, right)
-        ctx.scalars = (beta, alpha)
+        ctx.save_for_backward(bsr, dense, left, right)
+        ctx.scalars = (beta, alpha, transpose)
         ctx.input_shape = None if input is None else input.shape
-        ctx.backend, ctx.meta, ctx.has_operand = backend, meta, a is not None
+        ctx.meta = meta
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        dense, left, right = ctx.saved_tensors
-        bsr = ctx.bsr
-        beta, alpha = ctx.scalars
-        batch = grad.shape[:-2]
+        bsr, dense, left, right = ctx.saved_tensors
+        beta, alpha, transpose = ctx.scalars
         grad_input = grad_bsr = grad_dense = grad_left = grad_right = None
         if ctx.needs_input_grad[2] and ctx.input_shape is not None:
             grad_input = _sum_to(grad * beta, ctx.input_shape)
         if ctx.needs_input_grad[5] or ctx.needs_input_grad[6]:
-            product = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)  # P = alpha A X
-            a = Operand.of(bsr) if ctx.has_operand else None  # (bsr, detached, outlives the forward's key)
-            dispatch.addmm(
-                "bsr_dense_addmm", ctx.backend, None, a, dense, product, batch, 0.0, alpha, ctx.meta
-            )
+            p = product(bsr, dense, transpose, alpha, ctx.meta)  # P = alpha op(A) X
             if ctx.needs_input_grad[5]:
-                gp = grad * product if right is None else grad * product * right.unsqueeze(-2)
+                gp = grad * p if right is None else grad * p * right.unsqueeze(-2)
                 grad_left = _sum_to(gp.sum(-1), left.shape)
             if ctx.needs_input_grad[6]:
-                gp = grad * product if left is None else grad * product * left.unsqueeze(-1)
+                gp = grad * p if left is None else grad * p * left.unsqueeze(-1)
                 grad_right = _sum_to(gp.sum(-2), right.shape)
         if left is not None:
             grad = grad * left.unsqueeze(-1)
         if right is not None:
             grad = grad * right.unsqueeze(-2)
         if ctx.needs_input_grad[3]:
-            # dA = alpha (G' X^T)|P: an SDDMM on bsr's own pattern.
-            backend = dispatch.select("sampled_addmm", "sampled", grad.device, grad.dtype)
-            values = dispatch.sampled("sampled_addmm", backend, Operand.of(bsr), grad, dense.mT, batch, alpha)
-            values = _sum_to(values, bsr.values().shape)
-            grad_bsr = torch.sparse_bsr_tensor(
-                bsr.crow_indices(), bsr.col_indices(), values, size=bsr.shape, check_invariants=False
-            )
+            # dA = alpha (G' X^T)|P, or alpha (X G'^T)|P for op = transpose: an SDDMM on A's own pattern.
+            m1, m2 = (dense, grad.mT) if transpose else (grad, dense.mT)
+            values = _sum_to(sampled(bsr, m1, m2, alpha), bsr.values().shape)
+            grad_bsr = _like_pattern(bsr, values)
         if ctx.needs_input_grad[4]:
-            # dX = alpha A^T G': the transposed product over the cached transpose plan.
-            op = "bsr_transposed_dense_mm"
-            backend = dispatch.select(op, "addmm", grad.device, grad.dtype)
-            M, K = bsr.shape[-2:]
-            out = torch.empty((*batch, K, grad.shape[-1]), dtype=grad.dtype, device=grad.device)
-            a = Operand.of(bsr).transposed() if bsr._nnz() and M and alpha and out.numel() else None
-            g = dispatch.addmm(op, backend, None, a, grad, out, batch, 0.0, alpha, None)
-            grad_dense = _sum_to(g, dense.shape)
-        return (None, None, grad_input, grad_bsr, grad_dense, grad_left, grad_right) + (None,) * 5
+            # dX = alpha op(A)^T G': the other product over the cached (transpose) plan.
+            grad_dense = _sum_to(product(bsr, grad, not transpose, alpha), dense.shape)
+        return (None, None, grad_input, grad_bsr, grad_dense, grad_left, grad_right) + (None,) * 6
+
+
+class SampledAddmm(torch.autograd.Function):
+    r"""The values ``beta * input.values() + alpha * (mat1 @ mat2)|P`` of :func:`bsrkit.sampled_addmm`,
+    with gradients for ``input``'s values, ``mat1`` and ``mat2`` (see the module's formulas). Called with
+    validated arguments: ``a`` is ``input``'s operand and ``batch`` the broadcast batch shape."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        op: str,
+        backend: Backend,
+        input: torch.Tensor,
+        a: Operand,
+        mat1: torch.Tensor,
+        mat2: torch.Tensor,
+        batch: torch.Size,
+        beta: float,
+        alpha: float,
+    ) -> torch.Tensor:
+        values = dispatch.sampled(op, backend, a, mat1, mat2, batch, alpha)
+        if beta != 0:
+            in_values = input.values()
+            values.add_(in_values.expand(*batch, *in_values.shape[-3:]), alpha=beta)
+        ctx.save_for_backward(input, mat1, mat2)
+        ctx.scalars = (beta, alpha)
+        return values
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        input, mat1, mat2 = ctx.saved_tensors
+        beta, alpha = ctx.scalars
+        grad_input = grad_mat1 = grad_mat2 = None
+        g = _like_pattern(input, grad)  # the values' gradient as a BSR on input's pattern
+        if ctx.needs_input_grad[2] and beta != 0:
+            grad_input = _like_pattern(input, _sum_to(grad * beta, input.values().shape))
+        if ctx.needs_input_grad[4]:
+            grad_mat1 = _sum_to(product(g, mat2.mT, False, alpha), mat1.shape)  # alpha G M2^T
+        if ctx.needs_input_grad[5]:
+            grad_mat2 = _sum_to(product(g, mat1, True, alpha).mT, mat2.shape)  # alpha (G^T M1)^T
+        return None, None, grad_input, None, grad_mat1, grad_mat2, None, None, None

@@ -1,5 +1,6 @@
-"""The products as ``torch.library`` custom ops, with fake (meta) kernels and autograd formulas, so that
-``torch.compile(..., fullgraph=True)`` traces models that use them (``bsrkit.nn.BSRLinear``).
+"""The products as ``torch.library`` custom ops, with fake (meta) kernels and autograd formulas (made of
+the same two ops, so twice differentiable), so that ``torch.compile(..., fullgraph=True)`` traces models
+that use them (``bsrkit.nn.BSRLinear``).
 
 The sparse operand travels as strided parts (``crow``, ``col``, ``values``): custom ops cannot take BSR
 tensors. Plans are cached on the ``(crow, col)`` pair, so an entry lives as long as those index tensors
@@ -14,6 +15,7 @@ import torch
 
 from bsrkit import dispatch
 from bsrkit.operand import Operand
+from bsrkit.validation import check_operand_dtypes, check_same_device
 
 __all__ = ["bsr_mm", "sampled_mm"]
 
@@ -29,6 +31,7 @@ def bsr_mm(
     transposed: bool,
 ) -> torch.Tensor:
     """``A @ dense`` (or ``A.mT @ dense``) for the 2-D BSR ``A = (crow, col, values)`` of shape (M, K)."""
+    _check_bsr_mm(values, dense, M, K, transposed)
     out = torch.empty((K if transposed else M, dense.shape[-1]), dtype=dense.dtype, device=dense.device)
     a = None  # no operand when nothing is computed; none either when nothing is stored
     if out.numel():
@@ -43,6 +46,7 @@ def bsr_mm(
 
 @bsr_mm.register_fake
 def _(crow, col, values, dense, M, K, transposed):
+    _check_bsr_mm(values, dense, M, K, transposed)
     return dense.new_empty((K if transposed else M, dense.shape[-1]))
 
 
@@ -51,6 +55,7 @@ def sampled_mm(
     crow: torch.Tensor, col: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, Ms: int, Ns: int
 ) -> torch.Tensor:
     """Values ``(nnz, Ms, Ns)`` of ``mat1 @ mat2`` at the blocks of the pattern ``(crow, col)``."""
+    _check_sampled_mm(mat1, mat2)
     nnz = col.shape[-1]
     shape_only = mat1.new_empty(()).expand(nnz, Ms, Ns)  # values are not read: only their shape
     a = Operand.parts(
@@ -62,7 +67,32 @@ def sampled_mm(
 
 @sampled_mm.register_fake
 def _(crow, col, mat1, mat2, Ms, Ns):
+    _check_sampled_mm(mat1, mat2)
     return mat1.new_empty((col.shape[-1], Ms, Ns))
+
+
+def _check_bsr_mm(values: torch.Tensor, dense: torch.Tensor, M: int, K: int, transposed: bool) -> None:
+    """The checks the kernels rely on (the pattern is checked by :meth:`Operand.parts`): one dtype, one
+    device, 2-D ``dense`` of the inner size. A mismatch would read memory as the wrong type."""
+    op = "bsr_mm"
+    check_operand_dtypes(op, "dense", dense, "values", values)
+    check_same_device(op, "dense", dense, "values", values)
+    inner = M if transposed else K
+    if values.ndim != 3 or dense.ndim != 2 or dense.shape[0] != inner:
+        raise ValueError(
+            f"{op}(): expected values of shape (nnz, Ms, Ks) and dense of shape ({inner}, N), got "
+            f"{tuple(values.shape)} and {tuple(dense.shape)}"
+        )
+
+
+def _check_sampled_mm(mat1: torch.Tensor, mat2: torch.Tensor) -> None:
+    op = "sampled_mm"
+    check_operand_dtypes(op, "mat2", mat2, "mat1", mat1)
+    check_same_device(op, "mat2", mat2, "mat1", mat1)
+    if mat1.ndim != 2 or mat2.ndim != 2 or mat1.shape[1] != mat2.shape[0]:
+        raise ValueError(
+            f"{op}(): expected mat1 (M, K) and mat2 (K, N), got {tuple(mat1.shape)} and {tuple(mat2.shape)}"
+        )
 
 
 def _setup_bsr_mm(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -88,3 +118,23 @@ def _backward_bsr_mm(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
 
 
 torch.library.register_autograd("bsrkit::bsr_mm", _backward_bsr_mm, setup_context=_setup_bsr_mm)
+
+
+def _setup_sampled_mm(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    crow, col, mat1, mat2, _, _ = inputs
+    ctx.save_for_backward(crow, col, mat1, mat2)
+
+
+def _backward_sampled_mm(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    # V = (M1 M2)|P, G the BSR (crow, col, grad) of shape (M, N):  dM1 = G M2^T,  dM2 = M1^T G = (G^T M1)^T.
+    crow, col, mat1, mat2 = ctx.saved_tensors
+    M, N = mat1.shape[0], mat2.shape[1]
+    grad_mat1 = grad_mat2 = None
+    if ctx.needs_input_grad[2]:
+        grad_mat1 = bsr_mm(crow, col, grad, mat2.mT, M, N, False)
+    if ctx.needs_input_grad[3]:
+        grad_mat2 = bsr_mm(crow, col, grad, mat1, M, N, True).mT
+    return None, None, grad_mat1, grad_mat2, None, None
+
+
+torch.library.register_autograd("bsrkit::sampled_mm", _backward_sampled_mm, setup_context=_setup_sampled_mm)

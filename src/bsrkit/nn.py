@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from bsrkit import custom_ops
-from bsrkit.validation import pattern_defect
+from bsrkit.validation import check_operand_dtypes, pattern_defect
 
 __all__ = ["BSRLinear"]
 
@@ -62,7 +62,11 @@ class BSRLinear(nn.Module):
         if not 0 <= density <= 1:
             raise ValueError(f"BSRLinear(): expected density in [0, 1], got {density}")
         self.in_features, self.out_features, self.blocksize = in_features, out_features, (bo, bi)
-        mask = torch.rand((out_features // bo, in_features // bi), generator=generator) < density
+        # The pattern is drawn on the CPU whatever the default device (under ``torch.device("meta")`` its
+        # size could not be read); only the values and the buffers go to ``device``.
+        mask = (
+            torch.rand((out_features // bo, in_features // bi), generator=generator, device="cpu") < density
+        )
         bound = 1 / math.sqrt(in_features) if in_features else 0.0
         values = torch.empty((int(mask.sum()), bo, bi), device=device, dtype=dtype).uniform_(
             -bound, bound, generator=generator
@@ -79,9 +83,11 @@ class BSRLinear(nn.Module):
 
     def _set_pattern(self, mask: torch.Tensor, values: torch.Tensor) -> None:
         device = values.device
-        crow = torch.zeros(mask.shape[0] + 1, dtype=torch.int64)
+        crow = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device="cpu")
         crow[1:] = mask.sum(1).cumsum(0)
-        col = mask.nonzero()[:, 1].contiguous()
+        # A copy into its own storage: nonzero() is column-major, so its column 1 is already "contiguous"
+        # at offset nnz of an (nnz, 2) storage, which torch.save would write whole and safetensors refuses.
+        col = mask.nonzero()[:, 1].clone(memory_format=torch.contiguous_format)
         self.register_buffer("crow_indices", crow.to(device))
         self.register_buffer("col_indices", col.to(device))
         self.values = nn.Parameter(values)
@@ -126,6 +132,7 @@ class BSRLinear(nn.Module):
             raise ValueError(
                 f"BSRLinear.forward(): expected x.shape[-1] == {self.in_features}, got {x.shape[-1]}"
             )
+        check_operand_dtypes("BSRLinear.forward", "x", x, "values", self.values)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         # y^T = W x^T: x^T is a column-major view, which the kernel reads without a copy.
@@ -153,20 +160,14 @@ class BSRLinear(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        # A corrupted checkpoint must fail here, naming the defect, not in a later forward.
-        crow, col = state_dict.get(prefix + "crow_indices"), state_dict.get(prefix + "col_indices")
-        values = state_dict.get(prefix + "values")
+        # A checkpoint must load whole or fail here, naming the defect, before anything changes (not in a
+        # later forward); one of another nnz resizes the values and col_indices first.
+        names = ("crow_indices", "col_indices", "values")
+        crow, col, values = (state_dict.get(prefix + n) for n in names)
         plain = all(type(t) is torch.Tensor and t.device.type != "meta" for t in (crow, col, values))
-        if plain:
-            assert crow is not None and col is not None and values is not None
-            bo, bi = self.blocksize
-            blocks = (self.out_features // bo, self.in_features // bi)
-            defect = pattern_defect(crow, col, *blocks, values.shape[0])
-            if defect is not None:
-                raise ValueError(
-                    f"BSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices and "
-                    f"{prefix}col_indices: {defect}"
-                )
+        nnz = self._check_checkpoint(state_dict, prefix, crow, col, values, plain)
+        if nnz is not None and nnz != self.values.shape[0]:
+            self._resize(nnz)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -175,6 +176,64 @@ class BSRLinear(nn.Module):
             # the index data on every hit; fresh storage drops the old plans at once instead).
             self.crow_indices = self.crow_indices.clone()
             self.col_indices = self.col_indices.clone()
+
+    def _check_checkpoint(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        crow: Any,
+        col: Any,
+        values: Any,
+        plain: bool,
+    ) -> int | None:
+        """Raise ``ValueError`` for a checkpoint this layer cannot take; return its nnz (None when it
+        holds neither values nor col_indices)."""
+        where = f"BSRLinear.load_state_dict(): {prefix}"
+        bo, bi = self.blocksize
+        blocks = (self.out_features // bo, self.in_features // bi)
+        if isinstance(values, torch.Tensor) and (values.ndim != 3 or tuple(values.shape[1:]) != (bo, bi)):
+            raise ValueError(f"{where}values: expected shape (nnz, {bo}, {bi}), got {tuple(values.shape)}")
+        if isinstance(crow, torch.Tensor) and tuple(crow.shape) != (blocks[0] + 1,):
+            raise ValueError(
+                f"{where}crow_indices: expected shape ({blocks[0] + 1},), got {tuple(crow.shape)}"
+            )
+        if isinstance(col, torch.Tensor) and col.ndim != 1:
+            raise ValueError(f"{where}col_indices: expected shape (nnz,), got {tuple(col.shape)}")
+        bias = state_dict.get(prefix + "bias")
+        if self.bias is not None and isinstance(bias, torch.Tensor) and bias.shape != self.bias.shape:
+            raise ValueError(f"{where}bias: expected shape {tuple(self.bias.shape)}, got {tuple(bias.shape)}")
+        parts = {"crow_indices": crow, "col_indices": col, "values": values}
+        sizes = {
+            n: t.shape[0] for n, t in parts.items() if n != "crow_indices" and isinstance(t, torch.Tensor)
+        }
+        if not sizes:
+            return None
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"{where}col_indices: expected as many entries as {prefix}values has blocks "
+                f"({sizes['values']}), got {sizes['col_indices']}"
+            )
+        nnz = next(iter(sizes.values()))
+        if nnz != self.values.shape[0] and not all(isinstance(t, torch.Tensor) for t in parts.values()):
+            raise ValueError(
+                f"BSRLinear.load_state_dict(): a checkpoint with nnz == {nnz} (this layer has "
+                f"{self.values.shape[0]}) must hold crow_indices, col_indices and values together, got only "
+                f"{[prefix + n for n, t in parts.items() if t is not None]}"
+            )
+        if plain:
+            defect = pattern_defect(crow, col, *blocks, nnz)
+            if defect is not None:
+                raise ValueError(
+                    f"BSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices and "
+                    f"{prefix}col_indices: {defect}"
+                )
+        return nnz
+
+    def _resize(self, nnz: int) -> None:
+        """Make room for ``nnz`` blocks (the loader then copies or assigns the checkpoint's tensors)."""
+        old = self.values
+        self.values = nn.Parameter(old.new_empty((nnz, *old.shape[1:])), requires_grad=old.requires_grad)
+        self.col_indices = self.col_indices.new_empty(nnz)
 
     def extra_repr(self) -> str:
         nnz = self.values.shape[0]

@@ -94,11 +94,15 @@ class Operand(NamedTuple):
         Ks = self.values.shape[-1]
         t = plans.transpose_plan(self.source, self.K // Ks if Ks else 0)
         batch = self.batch
-        flat = self.values.reshape(-1, *self.values.shape[-3:])
-        gathered = flat[
-            torch.arange(flat.shape[0], device=flat.device)[:, None], t.perm
-        ]  # (B, nnz, Ms, Ks), a copy
-        values_t = gathered.reshape(*batch, *gathered.shape[1:]).mT  # blocks (Ks, Ms), column-major
+        if self.values.stride(-3) == 0 or self.nnz <= 1:
+            # Every block the same (expanded values): any order of them is this view itself; a gather
+            # would materialise nnz copies of one block.
+            values_t = self.values.mT
+        else:
+            flat = self.values.reshape(-1, *self.values.shape[-3:])
+            rows = torch.arange(flat.shape[0], device=flat.device)[:, None]
+            gathered = flat[rows, t.perm]  # (B, nnz, Ms, Ks), a copy
+            values_t = gathered.reshape(*batch, *gathered.shape[1:]).mT  # blocks (Ks, Ms), column-major
         crow_t = t.crow.reshape(*batch, -1)
         col_t = t.col.reshape(*batch, -1)
         return Operand(

@@ -14,6 +14,7 @@ import torch
 
 from bsrkit import autograd, dispatch
 from bsrkit.dispatch import select_backend
+from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
 from bsrkit.validation import (
     SUPPORTED_DTYPES,
@@ -42,6 +43,7 @@ __all__ = [
 # -- the main products --------------------------------------------------------------------------------
 
 
+@eager_under_compile
 def bsr_dense_mm(
     bsr: torch.Tensor,
     dense: torch.Tensor,
@@ -69,6 +71,7 @@ def bsr_dense_mm(
     return checked_addmm("bsr_dense_mm", None, bsr, dense, beta=0.0, alpha=1.0, out=out, meta=meta)
 
 
+@eager_under_compile
 def bsr_transposed_dense_mm(
     bsr: torch.Tensor,
     dense: torch.Tensor,
@@ -79,13 +82,15 @@ def bsr_transposed_dense_mm(
     r""":math:`\mathrm{out} = \mathrm{bsr}^T\,\mathrm{dense}` (``bsr.mT @ dense``), without materialising
     the transpose: a cached plan maps the blocks of the transpose to the original's (only the block values
     are gathered, ``nnz * Ms * Ks`` elements). ``dense`` is ``(*Bd, M, N)``; ``out`` ``(*batch, K, N)``.
-    Not differentiable itself (it is the backward of :func:`bsr_dense_mm` w.r.t. ``dense``).
+    Differentiable in ``dense`` (:math:`\partial \mathrm{dense} = \mathrm{bsr}\, G`) and in the BSR values
+    (:math:`(\mathrm{dense}\, G^T)|_P`), as :func:`bsr_dense_mm` is.
     """
     return checked_addmm(
         "bsr_transposed_dense_mm", None, bsr, dense, beta=0.0, alpha=1.0, out=out, meta=meta, transpose=True
     )
 
 
+@eager_under_compile
 def bsr_dense_addmm(
     input: torch.Tensor,
     bsr: torch.Tensor,
@@ -118,6 +123,7 @@ def bsr_dense_addmm(
     )
 
 
+@eager_under_compile
 def _int_bsr_dense_addmm(
     input: torch.Tensor,
     bsr: torch.Tensor,
@@ -193,7 +199,7 @@ def checked_addmm(
             a = a.transposed()
     if differentiable:
         return autograd.BsrDenseAddmm.apply(
-            op, backend, input, bsr, dense, left, right, a, batch, beta, alpha, meta
+            op, backend, input, bsr, dense, left, right, a, batch, beta, alpha, meta, transpose
         )
     if out is None:
         # (like dense: through its dtype and device, 0.5-1 µs cheaper than torch.empty's keywords)
@@ -267,7 +273,7 @@ def _validate_addmm(
     """Check every argument of :func:`checked_addmm` but the pattern (see :meth:`Operand.of`) and the
     memory of ``out``; return ``(differentiable, backend, batch, out shape, out dtype, K, out numel,
     like_dense)``."""
-    differentiable = not transpose and _needs_grad(input, bsr, dense, left, right)
+    differentiable = _needs_grad(input, bsr, dense, left, right)
     if differentiable and out is not None:
         raise ValueError(
             f"{op}(): expected out=None when an argument requires grad (out= is not differentiable)"
@@ -337,6 +343,7 @@ _SAME_DTYPE, _SAME_SHAPE = 1, 2
 # -- sampled dense-dense products (SDDMM) ------------------------------------------------------------
 
 
+@eager_under_compile
 def sampled_addmm(
     input: torch.Tensor,
     mat1: torch.Tensor,
@@ -355,6 +362,7 @@ def sampled_addmm(
     ``mat1`` is ``(*B1, M, K)``, ``mat2`` ``(*B2, K, N)``; batch dims broadcast with ``input``'s. The
     result is a BSR tensor with ``input``'s indices, in ``mat1``'s dtype. With ``beta == 0`` the input
     values are ignored, and ``input`` may be a boolean mask (only its pattern is used), as in torch.
+    Differentiable in ``mat1``, ``mat2`` and ``input``'s values, as torch's is.
     ``out``, if given, is a BSR tensor of the result's shape, dtype and nnz: as torch does, ``input``'s
     indices are copied into it (a different pattern is replaced, never mixed) and its values written.
     Half types are computed in float32. ``skip_checks`` and ``max_grid`` as in :func:`bsr_dense_mm`.
@@ -401,11 +409,20 @@ def sampled_addmm(
             )
         if out.dtype != mat1.dtype:
             raise ArgumentTypeError(f"{op}(): expected out.dtype == {mat1.dtype}, got {out.dtype}")
+    differentiable = _needs_grad(input, mat1, mat2)
+    if out is not None and differentiable:
+        raise ValueError(
+            f"{op}(): expected out=None when an argument requires grad (out= is not differentiable)"
+        )
     backend = dispatch.select(op, "sampled", mat1.device, mat1.dtype)
-    values = dispatch.sampled(op, backend, Operand.of(input, op, "input"), mat1, mat2, batch, alpha)
-    if beta != 0:
-        in_values = input.values()
-        values.add_(in_values.expand(*batch, *in_values.shape[-3:]), alpha=beta)
+    a = Operand.of(input, op, "input")
+    if differentiable:
+        values = autograd.SampledAddmm.apply(op, backend, input, a, mat1, mat2, batch, beta, alpha)
+    else:
+        values = dispatch.sampled(op, backend, a, mat1, mat2, batch, alpha)
+        if beta != 0:
+            in_values = input.values()
+            values.add_(in_values.expand(*batch, *in_values.shape[-3:]), alpha=beta)
     crow = input.crow_indices().expand(*batch, -1)
     col = input.col_indices().expand(*batch, -1)
     if out is None:

@@ -173,7 +173,8 @@ def bsr_softmax(input: torch.Tensor) -> torch.Tensor:
     mask = block_mask(input)
     scores = torch.where(mask, bsr_to_dense(input).double(), -torch.inf)
     y = torch.softmax(scores, dim=-1)
-    return torch.where(mask.any(-1, keepdim=True), y, 0.0)
+    # (a NaN row is NaN at its stored entries only: torch.softmax spreads it to the -inf ones too)
+    return torch.where(mask & mask.any(-1, keepdim=True), y, 0.0)
 
 
 def scaled_dot_product_attention(

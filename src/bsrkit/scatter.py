@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from bsrkit import dispatch, plans, tuning
+from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
 from bsrkit.ops import checked_addmm
 from bsrkit.validation import (
@@ -27,6 +28,10 @@ __all__ = ["bsr_scatter_mm", "bsr_scatter_mm_indices_data", "scatter_mm"]
 _INDICES_FORMATS = ("bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm")
 
 
+_INT32_MAX = 2**31 - 1
+
+
+@eager_under_compile
 def bsr_scatter_mm_indices_data(
     bsr: torch.Tensor,
     other: torch.Tensor,
@@ -37,7 +42,9 @@ def bsr_scatter_mm_indices_data(
 
     Computed with vectorized torch ops and cached in the shared plan cache, keyed on ``bsr``'s indices
     (the entry lives exactly as long as ``bsr``). For the ``bsr_strided_mm*`` formats the last item is
-    the meta dict (``SPLIT_N``, ``is_compressed``).
+    the meta dict (``SPLIT_N``, ``is_compressed``). Offsets into ``other`` (up to ``K * N``) take the
+    dtype of ``bsr``'s indices, as torch's do; where int32 indices cannot hold them a ``ValueError`` says
+    so (torch's wrap around to negative values).
     """
     op = "bsr_scatter_mm_indices_data"
     check_bsr(op, "bsr", bsr)
@@ -59,7 +66,19 @@ def bsr_scatter_mm_indices_data(
                 f"{op}(): the 'scatter_mm' format needs other.shape[-1] divisible by the block "
                 f"height {Ms}, got {N}"
             )
+        tiles = nbatches * (K // Ks) * (N // Ms)  # the largest tile index in its int32 pairs, plus one
+        if tiles > _INT32_MAX + 1:
+            raise ValueError(
+                f"{op}(): the 'scatter_mm' format indexes the tiles of other with int32, but other has "
+                f"{tiles} tiles (> 2**31): use another indices_format"
+            )
         return plans.scatter_mm_indices(bsr, indices_format, N, nbatches, 0)
+    if bsr.col_indices().dtype == torch.int32 and K * N - 1 > _INT32_MAX:
+        # The offsets into other take the indices' dtype (torch's layout); torch's own would wrap around.
+        raise ValueError(
+            f"{op}(): offsets into other reach K * N - 1 = {K * N - 1} > 2**31 - 1, which overflows bsr's "
+            "int32 indices: give bsr int64 indices (crow_indices().long(), col_indices().long())"
+        )
     meta = tuning.scatter_mm_meta(M, K, N, Ms, Ks, **meta_input)
     if "allow_tf32" not in meta_input:  # as torch: TF32 dots for half types only
         meta["allow_tf32"] = bsr.dtype in (torch.float16, torch.bfloat16)
@@ -68,6 +87,7 @@ def bsr_scatter_mm_indices_data(
     return (*data, meta)
 
 
+@eager_under_compile
 def scatter_mm(
     blocks: torch.Tensor,
     others: torch.Tensor,
@@ -88,9 +108,22 @@ def scatter_mm(
       ``r`` (block row ``m = r // N // Ms``, panel ``n = r % N // Ns``) sums ``p in [c_m, c_{m+1})`` with
       ``q = q_offsets[n * c_{m+1} + (SPLIT_N - n) * c_m + (p - c_m)]``.
 
-    ``accumulators`` is accumulated into and returned; when None, a zero tensor is created.
+    ``accumulators`` is accumulated into and returned; when None, a zero tensor is created. Not
+    differentiable (as torch's): an argument that requires grad is refused rather than silently cut off.
     """
+    _check_no_grad("scatter_mm", blocks=blocks, others=others, accumulators=accumulators)
     return _scatter_mm("scatter_mm", blocks, others, indices_data, accumulators, overwrite=False)
+
+
+def _check_no_grad(op: str, **tensors: Any) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(
+                f"{op}(): expected {name} not to require grad (the indices_data path is not differentiable; "
+                "bsrkit.bsr_dense_mm, or bsr_scatter_mm without indices_data, are)"
+            )
 
 
 def _check_indices_format(op: str, indices_data: Any) -> str:
@@ -168,6 +201,7 @@ def _run_scatter(
     dispatch.scatter_mm(op, backend, blocks, others, indices_data, accumulators, overwrite)
 
 
+@eager_under_compile
 def bsr_scatter_mm(
     bsr: torch.Tensor,
     other: torch.Tensor,
@@ -176,7 +210,8 @@ def bsr_scatter_mm(
 ) -> torch.Tensor:
     """``bsr @ other`` for a 2-D ``bsr``, through ``indices_data`` when given (see :func:`scatter_mm`).
 
-    Without ``indices_data`` this is :func:`bsr_dense_mm` (the fastest path for the device).
+    Without ``indices_data`` this is :func:`bsr_dense_mm` (the fastest path for the device, and
+    differentiable); with it, arguments that require grad are refused (as in :func:`scatter_mm`).
     """
     op = "bsr_scatter_mm"
     check_bsr(op, "bsr", bsr)
@@ -184,6 +219,7 @@ def bsr_scatter_mm(
         raise ValueError(f"{op}(): expected a 2-D bsr (no batch dimensions), got shape {tuple(bsr.shape)}")
     if indices_data is None:
         return checked_addmm(op, None, bsr, other, beta=0.0, alpha=1.0, out=out, meta=None)
+    _check_no_grad(op, bsr=bsr, other=other)
     check_strided(op, "other", other)
     check_same_dtype(op, "other", other, "bsr", bsr)
     check_same_device(op, "other", other, "bsr", bsr)

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bsrkit import dispatch
+from bsrkit import autograd, dispatch
+from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
 from bsrkit.validation import check_bsr
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["bsr_softmax"]
 
 
+@eager_under_compile
 def bsr_softmax(input: torch.Tensor, max_row_nnz: int | None = None) -> torch.Tensor:
     r"""Softmax over each row's stored entries of the BSR tensor ``input`` (unstored entries are
     :math:`-\infty`, so they get no weight); returns a BSR tensor with ``input``'s indices (copies) and
@@ -72,7 +74,7 @@ class BsrSoftmax(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @autograd.first_order_only("bsr_softmax")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         (y,) = ctx.saved_tensors
         return dispatch.softmax_backward(ctx.backend, ctx.a, y, grad), None, None

@@ -16,11 +16,13 @@ import torch
 __all__ = [
     "SUPPORTED_DTYPES",
     "ArgumentTypeError",
+    "MixedDtypeError",
     "broadcast_batch",
     "check_bsr",
     "check_dtype",
     "check_max_grid",
     "check_meta",
+    "check_operand_dtypes",
     "check_out",
     "check_same_device",
     "check_same_dtype",
@@ -35,6 +37,24 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 class ArgumentTypeError(TypeError, ValueError):
     """A wrong type, layout or dtype. A ``ValueError`` too, as ``torch.sparse._triton_ops`` raises."""
+
+
+class MixedDtypeError(ArgumentTypeError, RuntimeError):
+    """Operands of a product in different dtypes. A ``RuntimeError`` too, as ``nn.Linear``'s "mat1 and
+    mat2 must have the same dtype" is, so a layer swapped for :class:`bsrkit.nn.BSRLinear` raises alike."""
+
+
+def check_operand_dtypes(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """``t`` and ``ref`` must share one supported floating dtype (both dtypes named when they do not)."""
+    if t.dtype != ref.dtype:
+        raise MixedDtypeError(
+            f"{op}(): expected {name}.dtype == {ref.dtype} ({ref_name}.dtype), got {t.dtype} "
+            "(mat1 and mat2 must have the same dtype)"
+        )
+    if ref.dtype not in SUPPORTED_DTYPES:
+        raise ArgumentTypeError(
+            f"{op}(): expected {ref_name}.dtype in {_names(SUPPORTED_DTYPES)}, got {ref.dtype}"
+        )
 
 
 def check_bsr(op: str, name: str, t: Any, dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES) -> None:
@@ -210,7 +230,10 @@ def _tile_defect(name: str, offsets: torch.Tensor, N: int, rows: int, cols: int,
         return None
     o = offsets.long()
     if int(o.min()) < 0:
-        return f"expected non-negative {name}, got {int(o.min())}"
+        hint = " (an int32 offset that overflowed? build the indices data from int64 indices)"
+        return f"expected non-negative {name}, got {int(o.min())}" + (
+            hint if offsets.dtype == torch.int32 else ""
+        )
     if int((o // N).max()) + rows > R or int((o % N).max()) + cols > N:
         return f"expected {name} of ({rows} x {cols}) tiles inside a ({R} x {N}) matrix"
     return None

@@ -140,8 +140,9 @@ class Backend(Protocol):
 
         ``x`` is ``(*batch, nnz, Ms, Ns)`` and ``a``'s indices have that batch (``a.crow`` is
         ``(*batch, MB + 1)``); ``bias`` is None or ``(*Bm, nnz, Ms, Ns)`` broadcasting to ``x``, may hold
-        ``-inf`` (entry excluded) and has ``x``'s dtype (float32 for half ``x``). A row whose entries are
-        all ``-inf`` gives 0 with ``zero_empty_rows``, else NaN (as ``torch.softmax``). Half types are
+        ``-inf`` (entry excluded: ``Z = -inf`` there even where ``x`` is NaN) and has ``x``'s dtype
+        (float32 for half ``x``). A row whose entries are all ``-inf`` gives 0 with ``zero_empty_rows``,
+        else NaN (as ``torch.softmax``); a NaN in ``Z`` makes its whole row NaN. Half types are
         computed in float32. Returns a new tensor of ``x``'s shape and dtype; never called with
         ``x.numel() == 0``."""
         ...

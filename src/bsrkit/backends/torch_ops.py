@@ -300,7 +300,8 @@ def softmax_blocks(
     acc_dtype = accumulate_dtype(x.dtype)
     z = x.to(acc_dtype)
     if bias is not None:
-        z = z + bias.to(acc_dtype)
+        c = bias.to(acc_dtype)
+        z = torch.where(c == -torch.inf, c, z + c)  # an excluded entry stays excluded, NaN or not
     m = _row_reduce(rows, MB, z.amax(-1), "amax")
     # A row of -inf only: shift by 0, so that exp gives 0 and the sum 0 (0 / 0 = NaN, as torch.softmax).
     m = torch.where(m == -torch.inf, 0.0, m)

@@ -23,7 +23,9 @@ Forward (flash-attention style online softmax over a row's chunks), for rows ``i
     O_r' = \mathrm{diag}(e^{m - m'}) O_r + P V_c,
 
 then :math:`O_r /= \ell` and the row's log-sum-exp :math:`\mathrm{lse}_i = m_i + \log \ell_i` is saved
-(``-inf`` for a row with nothing allowed; its output is 0). The backward recomputes
+(``-inf`` for a row with nothing allowed; its output is 0). A NaN score (from ``q``, ``k`` or the
+bias, at an allowed entry) makes its row's output and lse NaN, as the math does; an excluded entry stays
+excluded whatever its score. The backward recomputes
 :math:`P = e^{S - \mathrm{lse}}` per chunk (flash-attention 2), with :math:`D_i = \sum_j dO_{ij} O_{ij}`:
 
 .. math::
@@ -147,9 +149,10 @@ def _bits_of32(typingctx, value):
 # Helpers are not cached themselves: their code is linked into each cached loop.
 @numba.njit(nogil=True, cache=False, fastmath=_EXP_FASTMATH)
 def _exp32(t):
-    """exp(t) for float32 t <= 0 (or -inf: 0). (float64 loops type it too, on a branch never taken.)"""
+    """exp(t) for float32 t <= 0 (or -inf: 0; NaN: NaN). (float64 loops type it too, on a branch never
+    taken.)"""
     v = np.float32(t) * _LOG2E
-    v = v if v > _LOWEST else _LOWEST  # (keeps n + 127 a valid exponent)
+    v = _LOWEST if v < _LOWEST else v  # (keeps n + 127 a valid exponent; NaN passes, and gives NaN)
     rounded = v + _ROUND
     f = v - (rounded - _ROUND)
     p = _P5 * f + _P4
@@ -209,7 +212,8 @@ def _add_bias(buf, w, bias_idx, bias, bm, g, e, Ms, Ns):
             for i in range(Ms):
                 row = buf[i * w + base : i * w + base + Ns]
                 for j in range(Ns):
-                    row[j] += bias[bi, i, j]
+                    c = bias[bi, i, j]
+                    row[j] = c if c == -np.inf else row[j] + c  # (excluded stays excluded, NaN or not)
 
 
 @numba.njit(nogil=True, cache=False, fastmath=_FASTMATH)
@@ -222,7 +226,8 @@ def _add_bias_transposed(buf, w, bias_idx, bias, bm, g, e, Ms, Ns):
             for j in range(Ns):
                 row = buf[(base + j) * Ms : (base + j + 1) * Ms]
                 for i in range(Ms):
-                    row[i] += bias[bi, i, j]
+                    c = bias[bi, i, j]
+                    row[i] = c if c == -np.inf else row[i] + c
 
 
 @_njit(parallel=True, nogil=True, fastmath=_FASTMATH)
@@ -279,7 +284,10 @@ def attention_forward(
                 for i in range(Ms):
                     row = buf[i * w : (i + 1) * w]
                     m_new = max(m[i], _row_max(row))
-                    if m_new == -np.inf:  # nothing allowed in the row so far
+                    if m_new == -np.inf:  # nothing allowed in the row so far, or NaN (maxnum passes it)
+                        for j in range(w):
+                            if row[j] != row[j]:
+                                ell[i] = np.nan  # (the row's output and lse become NaN at the end)
                         row[:] = 0.0
                         continue
                     s = q.dtype.type(0.0)

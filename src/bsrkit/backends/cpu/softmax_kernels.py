@@ -47,8 +47,12 @@ def _normalize_row(row, scale_bits, zero_empty_rows, fast_exp):
     m = row.dtype.type(-np.inf)
     for k in range(n):
         m = max(m, row[k])
-    if m == -np.inf:  # every entry excluded
-        row[:] = row.dtype.type(0.0 if zero_empty_rows else np.nan)
+    if m == -np.inf:  # every entry excluded, or NaN (which max passes over)
+        empty = True
+        for k in range(n):
+            if row[k] != row[k]:
+                empty = False
+        row[:] = row.dtype.type(0.0 if zero_empty_rows and empty else np.nan)
         return
     if fast_exp:
         scales = scale_bits.view(np.float32)
@@ -101,7 +105,8 @@ def _softmax_rows(crow, x, bias, bias_of, has_bias, out, zero_empty_rows, fast_e
                 base = (g - g0) * Ns
                 if has_bias:
                     for j in range(Ns):
-                        row[base + j] = x[b, g, i, j] + bias[bb, g, i, j]
+                        c = bias[bb, g, i, j]  # (an excluded entry stays excluded, NaN or not)
+                        row[base + j] = c if c == -np.inf else x[b, g, i, j] + c
                 else:
                     for j in range(Ns):
                         row[base + j] = x[b, g, i, j]

@@ -69,11 +69,12 @@ def _softmax_kernel(
             ).to(ACC_DTYPE)
             if HAS_BIAS:
                 bias_ptrs = bias_ptr + b * stride_bias_b + g * stride_bias_g
-                z += tl.load(
+                c = tl.load(
                     bias_ptrs + rm[:, None] * stride_bias_m + rn[None, :] * stride_bias_n,
                     mask=mask,
                     other=0.0,
                 ).to(ACC_DTYPE)
+                z = tl.where(c == float("-inf"), c, z + c)  # excluded stays excluded, NaN or not
             new_max = tl.maximum(row_max, tl.max(z, 1))
             # A row still all -inf shifts by 0: its exponentials are 0 and its sum stays 0.
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -93,11 +94,12 @@ def _softmax_kernel(
             ).to(ACC_DTYPE)
             if HAS_BIAS:
                 bias_ptrs = bias_ptr + b * stride_bias_b + g * stride_bias_g
-                z += tl.load(
+                c = tl.load(
                     bias_ptrs + rm[:, None] * stride_bias_m + rn[None, :] * stride_bias_n,
                     mask=mask,
                     other=0.0,
                 ).to(ACC_DTYPE)
+                z = tl.where(c == float("-inf"), c, z + c)  # excluded stays excluded, NaN or not
             y = tl.exp(z - shift[:, None]) * inv[:, None]
             out_ptrs = out_ptr + b * stride_out_b + g * stride_out_g
             tl.store(
