@@ -168,7 +168,7 @@ def forward(
     crow = a.crow.reshape(B, MB + 1)
     col = a.col.reshape(B, nnz)
     index = bias.block_index.reshape(-1, nnz)
-    batch_map = torch.from_numpy(bsr_batch_of(bias.batch, batch)).to(query.device)
+    batch_map = torch.tensor(bsr_batch_of(bias.batch, batch), device=query.device)  # (a copy: may be a view)
     bias_values = bias.values.to(torch.float32)
     if bias_values.shape[0] == 0:
         bias_values = bias_values.new_zeros((1, Ms, Ns))
