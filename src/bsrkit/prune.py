@@ -106,8 +106,7 @@ class GradualPruner:
         self.target_density, self.criterion = float(target_density), criterion
         self.start_step, self.end_step, self.every = start_step, end_step, every
         self.steps = 0
-        head = getattr(model, "get_output_embeddings", lambda: None)()
-        selected = filter_fn or default_filter((bo, bi), head if isinstance(head, nn.Module) else None)
+        selected = filter_fn or default_filter((bo, bi), model)
         self._layers: list[_Layer] = []
         for fqn, module in model.named_modules():
             if not fqn or not selected(module, fqn):

@@ -80,11 +80,10 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def default_filter(
-    blocksize: tuple[int, int], head: nn.Module | None = None
-) -> Callable[[nn.Module, str], bool]:
-    """Every ``nn.Linear`` or ``Conv1D`` whose shape the blocksize divides, except the output head (the
-    module ``model.get_output_embeddings()`` returns, or one named ``lm_head``)."""
+def default_filter(blocksize: tuple[int, int], model: nn.Module) -> Callable[[nn.Module, str], bool]:
+    """Every ``nn.Linear`` or ``Conv1D`` of ``model`` whose shape the blocksize divides, except the output
+    head (the module ``model.get_output_embeddings()`` returns, or one named ``lm_head``)."""
+    head = _output_head(model)
 
     def selected(module: nn.Module, fqn: str) -> bool:
         features = _features(module)
@@ -169,7 +168,7 @@ def sparsify_(
         raise ValueError(f"sparsify_(): expected blocksize to be a positive int or pair, got {blocksize!r}")
     if criterion != "block_norm":
         raise ValueError(f"sparsify_(): expected criterion 'block_norm', got {criterion!r}")
-    selected = filter_fn or default_filter((bo, bi), _output_head(model))
+    selected = filter_fn or default_filter((bo, bi), model)
     chosen = [(fqn, m) for fqn, m in model.named_modules() if fqn and selected(m, fqn)]
     reports: list[LayerReport] = []
     dense_weights = stored_weights = 0
