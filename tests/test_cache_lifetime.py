@@ -295,14 +295,10 @@ TestMemoryLifetimeModel = MemoryLifetimeModel.TestCase
 TestMemoryLifetimeModel.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
 
 
-def test_verdict_by_wrapper_is_never_stale_and_dies_with_the_tensor(monkeypatch):
+def test_kept_operand_is_never_stale_and_dies_with_the_tensor(monkeypatch):
     """The shortcut for a product with the same BSR tensor object as before: counted as a cache hit,
-    refused after an in-place index change or new index memory, and gone (by a C-function callback, no
-    Python code) when the tensor dies."""
-    import functools
-
-    from bsrkit import plans
-
+    refused after an in-place index change or new index memory, and gone (by a weakref callback, at once)
+    when the tensor dies."""
     monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
     bsrkit.cache_clear()
     dense = torch.zeros(8, 8)
@@ -311,8 +307,8 @@ def test_verdict_by_wrapper_is_never_stale_and_dies_with_the_tensor(monkeypatch)
     x = torch.randn(8, 3)
     for _ in range(3):
         assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x))
-    assert id(bsr) in plans._by_wrapper
-    assert isinstance(plans._by_wrapper[id(bsr)][0].__callback__, functools.partial)
+    kept = bsrkit.shortcut_info()
+    assert (kept.kept_operands, kept.operand_hits) == (1, 2)
     info = bsrkit.cache_info()
     assert (info.misses, info.hits) == (2, 2)  # verdict and CPU plan built once; two shortcut hits
     bsr.col_indices()[0] = 1  # in place, through the tensor's own accessor
@@ -321,12 +317,13 @@ def test_verdict_by_wrapper_is_never_stale_and_dies_with_the_tensor(monkeypatch)
     bsr.resize_as_sparse_(other)  # new index tensors in the same wrapper
     bsr.copy_(other)
     assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x))
-    key = id(bsr)
+    assert bsrkit.shortcut_info().kept_operands == 1
     del bsr
-    assert key not in plans._by_wrapper  # at once, by reference counting
+    assert bsrkit.shortcut_info().kept_operands == 0  # at once, by reference counting
     bsrkit.bsr_dense_mm(other, x)
+    assert bsrkit.shortcut_info().kept_operands == 1
     bsrkit.cache_clear()
-    assert not plans._by_wrapper
+    assert bsrkit.shortcut_info().kept_operands == 0
 
 
 def _bsr_4x4() -> torch.Tensor:
@@ -350,7 +347,7 @@ def _bsr_4x4() -> torch.Tensor:
 )
 @pytest.mark.parametrize("mode", ["grad", "inference"])
 def test_every_change_torch_makes_to_a_bsr_bumps_its_version(change, mode):
-    """What the kept operand relies on (plans.operand_by_wrapper): a BSR tensor shares one version
+    """What the kept operand relies on (bsrkit.shortcuts.kept_operand): a BSR tensor shares one version
     counter with the aliases its accessors return, and every change to its members bumps it, in
     inference mode too; swap_tensors refuses a tensor that has a weak reference. (Facts of torch: a
     torch upgrade that changes them fails here.)"""
@@ -369,14 +366,13 @@ def test_kept_operand_is_reused_until_the_tensor_changes(monkeypatch):
     """Operand.of returns the same operand for the same unchanged BSR object; any change (in place through
     its accessors, new members) gives a new one, and products follow; inference tensors (no version
     counter) are never kept; the kept operand holds neither the tensor nor autograd history."""
-    from bsrkit import plans
     from bsrkit.operand import Operand
 
     monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
     bsr = _bsr_4x4()
     x = torch.randn(8, 24)
     a = Operand.of(bsr)
-    assert Operand.of(bsr) is a and a.calls == {}
+    assert Operand.of(bsr) is a
     for change in (
         lambda b: b.values().mul_(-3),
         lambda b: b.col_indices().copy_(torch.tensor([1, 0])),  # (still a valid pattern)
@@ -390,7 +386,9 @@ def test_kept_operand_is_reused_until_the_tensor_changes(monkeypatch):
         assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x), k=8)
     with torch.inference_mode():
         frozen = _bsr_4x4()
-    assert Operand.of(frozen) is not Operand.of(frozen) and id(frozen) not in plans._by_wrapper
+    kept_before = bsrkit.shortcut_info().kept_operands
+    assert Operand.of(frozen) is not Operand.of(frozen)
+    assert bsrkit.shortcut_info().kept_operands == kept_before
     pattern = _bsr_4x4()
     values = torch.randn(2, 4, 4, requires_grad=True)
     weight = torch.sparse_bsr_tensor(pattern.crow_indices(), pattern.col_indices(), values, size=(8, 8))

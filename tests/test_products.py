@@ -342,7 +342,9 @@ def test_a_remembered_verdict_lets_no_invalid_call_through(monkeypatch):
     x = torch.randn(32, 6)
     out = torch.empty(32, 6)
     bsrkit.bsr_dense_mm(bsr, x, out=out)
-    assert any(sig[0] == "bsr_dense_mm" for sig in ops._valid_calls)
+    before = bsrkit.shortcut_info()
+    bsrkit.bsr_dense_mm(bsr, x, out=out)
+    assert bsrkit.shortcut_info().checked_hits == before.checked_hits + 1  # (the checks were skipped)
     shared = torch.randn(32, 6)  # out and dense on one storage: data, not metadata
     with pytest.raises(ValueError, match="share memory"):
         bsrkit.bsr_dense_mm(bsr, shared, out=shared)
@@ -375,32 +377,32 @@ def test_a_remembered_verdict_lets_no_invalid_call_through(monkeypatch):
 
 @pytest.mark.parametrize("N", [8, 40])  # the vector loops and the gemm loop
 def test_prepared_calls_are_reused_only_for_the_same_call(monkeypatch, tmp_path, N):
-    """dispatch.addmm keeps the backend's prepared call on a kept operand and reuses it for a call with
-    the same verdict, strides and offsets, thread count and tuning state: each of these changing is a new
-    entry (or no reuse at all), and every result matches the reference."""
-    from bsrkit import ops, tuning
-    from bsrkit.operand import Operand
+    """A backend's prepared call is kept (bsrkit.shortcuts) and reused for a call with the same checked
+    call, strides and offsets, thread count and tuning state: each of these changing prepares a new call
+    (or keeps none at all), and every result matches the reference."""
+    from bsrkit import shortcuts, tuning
 
     monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
     monkeypatch.setenv("BSRKIT_TUNING_TABLE", str(tmp_path / "none.json"))  # (no table: defaults)
     # (seeded: drawn from the global generator, the pattern depended on the tests run before; one was empty)
     bsr = random_bsr((32, 48), (8, 16), 0.5, empty_rows=(1,), generator=torch.Generator().manual_seed(0))
     assert bsr._nnz()
-    a = Operand.of(bsr)
     big = torch.randn(2, 48, 2 * N)
 
-    def check(dense, out=None, new=1):
-        before = len(a.calls)
+    def check(dense, out=None, prepared=1, reused=0):
+        before = bsrkit.shortcut_info()
         got = bsrkit.bsr_dense_mm(bsr, dense, out=out)
         assert_close(got, reference.bsr_dense_mm(bsr, dense), k=48)
-        if new is not None:
-            assert len(a.calls) == before + new, list(a.calls)
+        after = bsrkit.shortcut_info()
+        if prepared is not None:
+            counts = (after.call_misses - before.call_misses, after.call_hits - before.call_hits)
+            assert counts == (prepared, reused)
 
     check(torch.randn(48, N))
-    check(torch.randn(48, N), new=0)  # new memory, same layout: reused
+    check(torch.randn(48, N), prepared=0, reused=1)  # new memory, same layout: reused
     check(big[1, :, :N])  # another offset and stride
     check(big[1, :, N:])  # another offset
-    check(torch.randn(N, 48).mT, new=None)  # column-major (the vector loops copy it: nothing kept)
+    check(torch.randn(N, 48).mT, prepared=None)  # column-major (the vector loops copy it: nothing kept)
     check(torch.randn(48, N), torch.full((N, 32), float("nan")).mT)  # out= column-major
     threads = torch.get_num_threads()
     try:
@@ -408,22 +410,44 @@ def test_prepared_calls_are_reused_only_for_the_same_call(monkeypatch, tmp_path,
         check(torch.randn(48, N))
     finally:
         torch.set_num_threads(threads)
-    with torch.no_grad():  # another verdict (grad mode is in its signature)
+    with torch.no_grad():  # another checked call (grad mode is in its signature)
         check(torch.randn(48, N))
-    ops._valid_calls.clear()  # new verdict objects: the kept calls of the old ones are not theirs
+    shortcuts.clear()  # new checked-call objects: the kept calls of the old ones are not theirs
     check(torch.randn(48, N))
+    check(torch.randn(48, N), prepared=0, reused=1)
     # A tuning table that changes the parameters: a new table object, so no kept call is reused.
-    a.calls.clear()  # (it keeps 8)
-    check(torch.randn(48, N))
     key = tuning.table_key(tuning.cpu_device_name(), "bsr_dense_mm", torch.float32, (32, 48, N), (8, 16))
     tuning.save_entries({key: {"small_n": N > 16, "panel": 8}}, tmp_path / "table.json")
     monkeypatch.setenv("BSRKIT_TUNING_TABLE", str(tmp_path / "table.json"))
-    before = dict(a.calls)
-    check(torch.randn(48, N), new=0)  # (the same key: its kept call is replaced)
-    assert any(a.calls[k] is not before[k] for k in a.calls)
-    check(torch.randn(48, N), new=0)
+    check(torch.randn(48, N))  # (the same key: its kept call is replaced)
+    check(torch.randn(48, N), prepared=0, reused=1)
     monkeypatch.setenv("BSRKIT_BACKEND", "torch")  # another backend: nothing kept, still right
-    check(torch.randn(48, N), new=0)
+    check(torch.randn(48, N), prepared=0)
+
+
+def test_prepared_calls_without_a_checked_call_are_keyed_by_layout_and_params(monkeypatch):
+    """Calls that carry no checked call (meta=, input=, the custom op of BSRLinear) reuse a prepared call
+    only for the same layouts, scalars and parameters."""
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsr = random_bsr((32, 48), (8, 16), 0.5, generator=torch.Generator().manual_seed(1))
+    addend = torch.randn(32, 40)
+
+    def counts(call):
+        before = bsrkit.shortcut_info()
+        call()
+        after = bsrkit.shortcut_info()
+        return after.call_misses - before.call_misses, after.call_hits - before.call_hits
+
+    x = torch.randn(48, 40)
+    assert counts(lambda: bsrkit.bsr_dense_mm(bsr, x, meta={"panel": 16})) == (1, 0)
+    assert counts(lambda: bsrkit.bsr_dense_mm(bsr, torch.randn(48, 40), meta={"panel": 16})) == (0, 1)
+    assert counts(lambda: bsrkit.bsr_dense_mm(bsr, x, meta={"panel": 8})) == (1, 0)  # other params
+    got = bsrkit.bsr_dense_addmm(addend, bsr, x, beta=0.5, alpha=2.0)
+    assert_close(got, reference.bsr_dense_addmm(addend, bsr, x, beta=0.5, alpha=2.0), k=48)
+    assert counts(lambda: bsrkit.bsr_dense_addmm(addend, bsr, x, beta=0.5, alpha=2.0)) == (0, 1)
+    assert counts(lambda: bsrkit.bsr_dense_addmm(addend, bsr, x, beta=0.5, alpha=3.0)) == (1, 0)  # alpha
+    got = bsrkit.bsr_dense_addmm(addend, bsr, x, beta=0.5, alpha=3.0)
+    assert_close(got, reference.bsr_dense_addmm(addend, bsr, x, beta=0.5, alpha=3.0), k=48)
 
 
 def test_prepared_calls_are_thread_safe(monkeypatch):

@@ -22,14 +22,17 @@ from bsrkit.ops import (
     bsr_transposed_dense_mm,
     sampled_addmm,
 )
-from bsrkit.plans import cache_clear, cache_info
+from bsrkit.plans import cache_info
 from bsrkit.scatter import bsr_scatter_mm, bsr_scatter_mm_indices_data, scatter_mm
+from bsrkit.shortcuts import ShortcutInfo, cache_clear
+from bsrkit.shortcuts import info as shortcut_info
 from bsrkit.softmax import bsr_softmax
 
 __version__ = "0.2.0"
 
 __all__ = [
     "CacheInfo",
+    "ShortcutInfo",
     "TensorKey",
     "__version__",
     "_int_bsr_dense_addmm",
@@ -48,6 +51,7 @@ __all__ = [
     "sampled_addmm",
     "scaled_dot_product_attention",
     "scatter_mm",
+    "shortcut_info",
     "sliding_window_mask",
     "sparsify_",
     "weak_lru_cache",

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from bsrkit import tuning
+from bsrkit import shortcuts, tuning
 from bsrkit.backends import BACKENDS, Backend
 from bsrkit.environment import getenv
 from bsrkit.operand import Operand
@@ -90,17 +90,15 @@ def addmm(
     meta: dict[str, Any] | None,
     left: torch.Tensor | None = None,
     right: torch.Tensor | None = None,
-    call: object | None = None,
+    checked: shortcuts.CheckedCall | None = None,
 ) -> torch.Tensor:
     """``out = beta * input + left * (alpha * a @ dense) * right`` (``input`` None: ``beta`` is ignored;
     ``left`` ``(*batch, M)`` scales rows, ``right`` ``(*batch, N)`` columns; None: ones) and return it.
 
-    ``call``: an object standing for everything about this call but the operands' data, strides and
-    offsets (``bsrkit.ops`` passes its verdict, one object per signature: every argument's type, dtype,
-    device and shape, the scalars, grad mode and the forced backend), or None. With it, the backend's
-    prepared call is kept on a kept operand (``a.calls``) and reused by a call with the same ``call``
-    object, the same strides and offsets of ``dense`` and ``out``, thread count and tuning state: a
-    repeated tiny product skips the parameter lookup and the backend's marshaling.
+    ``checked``: the call's :class:`~bsrkit.shortcuts.CheckedCall` (standing for everything about it but
+    the operands' data, strides and offsets), or None. A repeated product reruns the call its backend
+    prepared (:mod:`bsrkit.shortcuts`): with ``checked``, found before the parameter lookup (a tiny
+    product skips that and the backend's marshaling); without, by the operands' layouts and the params.
 
     ``a`` is None when the product contributes nothing (no stored block, ``K == 0`` or ``alpha == 0``).
     With ``beta == 0`` ``input`` is not read (NaN in it does not propagate), as in ``torch.addmm``.
@@ -127,31 +125,41 @@ def addmm(
         if overwrite:
             out.zero_()
         return out
-    key = None
-    calls = a.calls
-    if call is not None and calls is not None and meta is None and overwrite:
-        # (by the identity of call, which the entry holds: its id cannot be reused while it lives)
-        key = (id(call), dense.stride(), dense.storage_offset(), out.stride(), out.storage_offset(),
-               torch.get_num_threads())  # fmt: skip
-        kept = calls.get(key)
-        if kept is not None and kept[0] is call and kept[1] is a.values:
-            table, warned = tuning.resolve_state()
-            if kept[2] is table and kept[3] is warned:
-                kept[4](a.values, dense, out)
-                return out
-    Ms, Ks = a.values.shape[-2:]
-    table, warned = tuning.resolve_state()
+    # A repeated call reruns the call its backend prepared before (bsrkit.shortcuts): with a checked call
+    # (and no meta), keyed before the parameter lookup, which it then skips; else by layouts and params.
+    values = a.values
+    tuning_state = tuning.resolve_state()
+    fast = checked is not None and meta is None and overwrite
+    if fast:
+        key: tuple[Any, ...] = (
+            id(checked), a.transposed_block_cols, values.stride(), values.storage_offset(),
+            dense.stride(), dense.storage_offset(), out.stride(), out.storage_offset(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        rerun = shortcuts.prepared_call(a, key, checked, tuning_state)
+        if rerun is not None:
+            rerun(values, dense, out)
+            return out
+    Ms, Ks = values.shape[-2:]
     params = tuning.resolve(backend, op, out.device, out.dtype, (a.M, a.K, dense.shape[-1]), (Ms, Ks), meta)
+    tuning_state = tuning.resolve_state()  # (what params were resolved with: the first call loads the table)
+    if not fast:
+        checked = None
+        key = (
+            backend.name, a.transposed_block_cols,
+            values.shape, values.stride(), values.storage_offset(),
+            dense.shape, dense.stride(), dense.storage_offset(),
+            out.shape, out.stride(), out.storage_offset(), out.dtype,
+            batch, alpha, overwrite, tuple(sorted(params.items())),
+        )  # fmt: skip
+        rerun = shortcuts.prepared_call(a, key, None, tuning_state)
+        if rerun is not None:
+            rerun(values, dense, out)
+            return out
     rerun = backend.addmm(a, dense, out, batch, alpha, overwrite, params)
-    if key is not None and rerun is not None and calls is not None:
-        if len(calls) >= _KEPT_CALLS:
-            calls.clear()
-        calls[key] = (call, a.values, table, warned, rerun)
+    if rerun is not None:
+        shortcuts.keep_prepared_call(a, key, checked, tuning_state, rerun)
     return out
-
-
-# Prepared calls kept per operand (one per call signature, layout and tuning state; see addmm).
-_KEPT_CALLS = 8
 
 
 def _scale_product(

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bsrkit import plans
+from bsrkit import plans, shortcuts
 from bsrkit.keys import TensorKey
 
 __all__ = ["Operand"]
@@ -27,9 +27,7 @@ class Operand(NamedTuple):
     K: int
     source: Any
     transposed_block_cols: int = 0
-    pattern: plans.Pattern | None = None  # the verdict, which keeps plans fetched through it
-    # A kept operand's (see :meth:`of`) prepared backend calls, by call (:func:`bsrkit.dispatch.addmm`).
-    calls: dict[Any, Any] | None = None
+    pattern: plans.Pattern | None = None  # the validated pattern, which keeps plans and prepared calls
 
     @property
     def batch(self) -> torch.Size:
@@ -44,8 +42,8 @@ class Operand(NamedTuple):
         """The operand of a BSR tensor, its pattern validated (once per pattern: see
         :func:`bsrkit.plans.check_pattern`); ``op`` and ``name`` word the ``ValueError`` for a malformed
         one. The same object for repeated calls with the same, unchanged tensor (see
-        :func:`bsrkit.plans.operand_by_wrapper`)."""
-        kept = plans.operand_by_wrapper(bsr)
+        :func:`bsrkit.shortcuts.kept_operand`)."""
+        kept = shortcuts.kept_operand(bsr)
         if kept is not None:
             return kept
         M, K = bsr.shape[-2:]
@@ -55,8 +53,7 @@ class Operand(NamedTuple):
         # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).
         a = cls.parts(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)), op, name)
         if version is not None:
-            a = a._replace(calls={})
-            plans.remember_wrapper(bsr, version, a)
+            shortcuts.keep_operand(bsr, version, a)
         return a
 
     @classmethod

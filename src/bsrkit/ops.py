@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from bsrkit import autograd, dispatch
+from bsrkit import autograd, dispatch, shortcuts
 from bsrkit.dispatch import select_backend
 from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
@@ -180,15 +180,13 @@ def checked_addmm(
     signature = None
     if input is None and left is None and right is None and meta is None:
         signature = _call_signature(op, transpose, bsr, dense, out, beta, alpha)
-    verdict = _valid_calls.get(signature) if signature is not None else None
-    if verdict is None:
-        verdict = _validate_addmm(op, input, bsr, dense, beta, alpha, out, meta, transpose, left, right)
+    checked = shortcuts.checked_call(signature) if signature is not None else None
+    if checked is None:
+        checked = _validate_addmm(op, input, bsr, dense, beta, alpha, out, meta, transpose, left, right)
         if signature is not None:
-            if len(_valid_calls) >= _VALID_CALLS_MAX:
-                _valid_calls.clear()
-            _valid_calls[signature] = verdict
-    differentiable, backend, batch, out_shape, out_dtype, K, out_numel, like_dense = verdict
-    beta, alpha = float(beta), float(alpha)  # (checked real numbers; -0.0 and 0.0 share a verdict)
+            shortcuts.keep_checked_call(signature, checked)
+    differentiable, backend, batch, out_shape, out_dtype, K, out_numel, like_dense = checked
+    beta, alpha = float(beta), float(alpha)  # (checked real numbers; -0.0 and 0.0 share a checked call)
     # The sparse operand, or None when nothing is stored (no plan is fetched for an empty product).
     a = None
     if out_numel:
@@ -221,21 +219,18 @@ def checked_addmm(
     ):
         # The kernels read dense while writing out: shared memory would give a silently wrong result.
         raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
-    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, verdict)
+    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked)
 
 
-# A call's verdict depends only on its metadata (types, layouts, dtypes, devices, shapes, scalars, grad
+# A call's checks depend only on its metadata (types, layouts, dtypes, devices, shapes, scalars, grad
 # mode, the forced backend), not on data: a call like an earlier valid one (the common repeated product)
-# skips the checks. Only calls without input, scales and meta are remembered (their signature is cheap).
-# Each verdict is a distinct object per signature: dispatch.addmm keeps prepared calls by its identity.
-_valid_calls: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-_VALID_CALLS_MAX = 1024
+# skips them (bsrkit.shortcuts). Only calls without input, scales and meta have a signature (it is cheap).
 
 
 def _call_signature(
     op: str, transpose: bool, bsr: Any, dense: Any, out: Any, beta: Any, alpha: Any
 ) -> tuple[Any, ...] | None:
-    """What :func:`_validate_addmm`'s verdict depends on, or None for arguments it would reject anyway:
+    """What :func:`_validate_addmm`'s outcome depends on, or None for arguments it would reject anyway:
     per tensor its type, layout, dtype, device, shape and ``requires_grad`` (one flat tuple: this runs
     on every product)."""
     if not (isinstance(bsr, torch.Tensor) and isinstance(dense, torch.Tensor)):
@@ -269,10 +264,9 @@ def _validate_addmm(
     transpose: bool,
     left: torch.Tensor | None,
     right: torch.Tensor | None,
-) -> tuple[Any, ...]:
+) -> shortcuts.CheckedCall:
     """Check every argument of :func:`checked_addmm` but the pattern (see :meth:`Operand.of`) and the
-    memory of ``out``; return ``(differentiable, backend, batch, out shape, out dtype, K, out numel,
-    like_dense)``."""
+    memory of ``out``; return what the call computes."""
     differentiable = _needs_grad(input, bsr, dense, left, right)
     if differentiable and out is not None:
         raise ValueError(
@@ -334,7 +328,9 @@ def _validate_addmm(
     like_dense = 0
     if out_dtype is dense.dtype and type(dense) is torch.Tensor:
         like_dense = _SAME_SHAPE if out_shape == tuple(dense.shape) else _SAME_DTYPE
-    return differentiable, backend, batch, out_shape, out_dtype, K, math.prod(out_shape), like_dense
+    return shortcuts.CheckedCall(
+        differentiable, backend, batch, out_shape, out_dtype, K, math.prod(out_shape), like_dense
+    )
 
 
 _SAME_DTYPE, _SAME_SHAPE = 1, 2

@@ -11,8 +11,6 @@ validated again, never served stale. Every pattern is validated when its first p
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -101,58 +99,16 @@ def cache_info() -> CacheInfo:
 
 
 def cache_clear() -> None:
-    """Drop every cached plan and reset the statistics."""
-    _by_wrapper.clear()
+    """Drop every cached plan (and with the patterns, their prepared calls) and reset the statistics."""
     _plan.cache_clear()  # type: ignore[attr-defined]
 
 
-# -- the operand by wrapper: a product with the same BSR tensor object as an earlier one ------------------
-#
-# A weight used in many products is usually the same Python object each time. Its operand (the index and
-# values aliases, the plans' key and the pattern's verdict, which holds the plans) is then kept and reused
-# without building its TensorKey, taking the cache's lock or fetching the members (~7 µs of a tiny
-# product). The shortcut is valid while the object has the same TensorImpl (``_cdata``), the same
-# version counter value (``_version``) and its index data is unchanged (the verdict's snapshot, compared
-# as every cache hit compares its own: see bsrkit.freshness). The first two say that it still has the
-# members it had, so that the snapshot is of their memory:
-# - the version counter of a sparse compressed tensor is shared by the aliases its accessors return
-#   (``crow_indices()``, ``col_indices()``, ``values()``), so an in-place change through any of them bumps
-#   it, and so does every op that gives it new members (``copy_``, ``resize_as_sparse_``, ``zero_``), in
-#   inference mode too (tests/test_cache_lifetime.py checks these facts of torch);
-# - ``torch.utils.swap_tensors`` refuses a tensor with weak references (the entry holds one), and the
-#   TensorImpl comparison catches any other swap.
-# The entry dies with the object; until then it holds the aliases (memory the object holds anyway, unless
-# an op replaced its members since: then until the next product or its death). Inference tensors (no
-# version counter) always take the cache.
-
-# id(bsr) -> (ref to bsr, its TensorImpl address, its version, the operand, its verdict's snapshot)
-_by_wrapper: dict[int, tuple[Any, ...]] = {}
-
-
-def operand_by_wrapper(bsr: torch.Tensor) -> Any:
-    """The operand remembered for this very ``bsr`` (:func:`remember_wrapper`), or None when it may have
-    changed since."""
-    seen = _by_wrapper.get(id(bsr))
-    if seen is None or seen[0]() is not bsr or seen[1] != bsr._cdata or seen[2] != bsr._version:
-        return None
-    if not seen[4].unchanged():
-        return None  # its pattern was written since: the caller rebuilds (and revalidates) it
+def count_hit() -> None:
+    """Count a hit of the plan cache served by a shortcut that stands for one (a kept operand:
+    :func:`bsrkit.shortcuts.kept_operand`)."""
     state = _plan._cache_state  # type: ignore[attr-defined]
-    with state.lock:  # (counted as the cache hit it stands for)
+    with state.lock:
         state.hits += 1
-    return seen[3]
-
-
-def remember_wrapper(bsr: torch.Tensor, version: int, operand: Any) -> None:
-    """Remember ``bsr``'s validated operand (built from its members when its version was ``version``)
-    for :func:`operand_by_wrapper`. ``operand`` must not hold ``bsr`` itself (the entry would never die)."""
-    if bsr.is_inference():
-        return
-    # The entry goes when the object dies, by a C function (no Python code runs in a weakref callback:
-    # see bsrkit.cache); its id cannot be reused before that, as the callback runs while it is freed.
-    forget = functools.partial(_by_wrapper.pop, id(bsr))  # called as pop(id, ref)
-    proof = operand.pattern.proof  # (of the memory of bsr's members: the verdict's key names it)
-    _by_wrapper[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand, proof)
 
 
 class MalformedPatternError(ValueError):
@@ -160,16 +116,18 @@ class MalformedPatternError(ValueError):
 
 
 class Pattern:
-    """The verdict on a valid pattern, which also holds the plans fetched through it
-    (:func:`cpu_mm_plan` with ``pattern=``), so that a product finds verdict and plan in one cache lookup,
-    and ``proof``, the snapshot of the index data it was judged on (taken before the check), for the
-    shortcuts that skip the cache (:func:`operand_by_wrapper`). It lives in the cache entry of the verdict:
-    with the pattern's memory, until the index data changes."""
+    """A validated pattern (what :func:`check_pattern` returns), and what hangs on it: the plans fetched
+    through it (:func:`cpu_mm_plan` with ``pattern=``, so that a product finds pattern and plan in one
+    cache lookup), the prepared kernel calls of :mod:`bsrkit.shortcuts` (``calls``, which that module
+    alone reads and writes), and ``proof``, the snapshot of the index data it was judged on (taken before
+    the check), for the shortcuts that skip the cache. It lives in the plan cache's entry: with the
+    pattern's memory, until the index data changes."""
 
-    __slots__ = ("plans", "proof")
+    __slots__ = ("calls", "plans", "proof")
 
     def __init__(self, proof: Snapshot) -> None:
         self.plans: dict[tuple[Any, ...], Any] = {}
+        self.calls: dict[tuple[Any, ...], Any] = {}
         self.proof = proof
 
 

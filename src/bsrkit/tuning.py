@@ -153,9 +153,10 @@ def load_table(path: Path | str | None = None) -> dict[str, dict[str, Any]]:
         return cached[2]
     try:
         mtime = os.stat(name).st_mtime
-    except OSError:
-        _loaded[name] = (None, now, {})
-        return {}
+    except OSError:  # missing: no entries (the same object while it stays missing: results keyed on it hold)
+        missing = cached[2] if cached is not None and cached[0] is None else {}
+        _loaded[name] = (None, now, missing)
+        return missing
     if cached is not None and cached[0] == mtime:
         _loaded[name] = (mtime, now, cached[2])
         return cached[2]

@@ -1,0 +1,218 @@
+"""What a repeated call may skip, in one place: checked calls, kept operands and prepared kernel calls.
+
+A weight or mask is usually multiplied many times with operands of the same shapes. Three tables let
+such a call skip work an earlier call did:
+
+1. **Checked calls** (:func:`checked_call`): a call's *signature* (the metadata of its arguments: types,
+   layouts, dtypes, devices, shapes, scalars, grad mode and the forced backend; built by
+   :mod:`bsrkit.ops`) maps to its :class:`CheckedCall`, the outcome of its argument checks. A call with
+   the same signature skips the checks; they read no data, so the signature decides them.
+2. **Kept operands** (:func:`kept_operand`): a product with the same BSR tensor *object* (the *wrapper*)
+   as before reuses its :class:`~bsrkit.operand.Operand` (index and values aliases, plan key and the
+   validated :class:`~bsrkit.plans.Pattern`), skipping the key build and the plan cache's lock.
+3. **Prepared calls** (:func:`prepared_call`): a backend's marshaled kernel call (``rerun(values, dense,
+   out)``, see :meth:`bsrkit.backends.base.Backend.addmm`), kept on the operand's ``Pattern`` under a key
+   of everything it depends on but the data addresses. Backends return prepared calls; they never keep
+   them.
+
+**The one rule every hit obeys**: a hit is served only when everything the skipped work read is provably
+what it was when the entry was made:
+
+- metadata, by equality of the whole key (a table never matches a prefix or a hash alone);
+- index data, by the content proof of :mod:`bsrkit.freshness`: a kept operand is served only while its
+  pattern's :class:`~bsrkit.freshness.Snapshot` is unchanged (and the wrapper has the same TensorImpl and
+  version counter, so the snapshot is of its members), and every other way to an operand goes through the
+  plan cache, whose hits compare the same proof. Prepared calls hang on the ``Pattern`` that proof
+  belongs to: a changed pattern gets a new ``Pattern`` and so no old prepared call;
+- tuning state, by identity of the table and warnings that chose the parameters.
+
+**Bounds.** A table that reaches its bound is cleared whole (hits stay O(1); a workload that cycles
+through more signatures than the bound only pays the checks again): :data:`CHECKED_CALLS_MAX` signatures,
+:data:`CALLS_PER_PATTERN` prepared calls per pattern, one kept operand per live wrapper (its entry goes
+when the wrapper dies, by a C-function weakref callback). None of them holds a tensor alive beyond its
+owner: kept operands hold aliases of the wrapper's own members, prepared calls hold addresses and index
+arrays, not operands.
+
+:func:`info` counts hits and misses (plain counters: exact in one thread, approximate under
+concurrent calls); :func:`clear` empties every table.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from bsrkit import plans
+
+if TYPE_CHECKING:
+    from bsrkit.backends.base import Backend
+    from bsrkit.operand import Operand
+
+__all__ = [
+    "CALLS_PER_PATTERN",
+    "CHECKED_CALLS_MAX",
+    "CheckedCall",
+    "ShortcutInfo",
+    "cache_clear",
+    "checked_call",
+    "clear",
+    "info",
+    "keep_checked_call",
+    "keep_operand",
+    "keep_prepared_call",
+    "kept_operand",
+    "prepared_call",
+]
+
+CHECKED_CALLS_MAX = 1024
+CALLS_PER_PATTERN = 16
+
+
+class CheckedCall(NamedTuple):
+    """The outcome of a product's argument checks (:func:`bsrkit.ops.checked_addmm`): what the call
+    computes, decided by its signature alone. Each is a distinct object per signature (prepared calls
+    are keyed by its identity)."""
+
+    differentiable: bool
+    backend: Backend
+    batch: torch.Size
+    out_shape: tuple[int, ...]
+    out_dtype: torch.dtype
+    K: int
+    out_numel: int
+    like_dense: int  # 0: out is allocated on its own; else like dense (see bsrkit.ops)
+
+
+class ShortcutInfo(NamedTuple):
+    """Counters of the three tables (see the module's docstring)."""
+
+    checked_hits: int
+    checked_misses: int
+    checked_calls: int  # signatures held
+    operand_hits: int
+    kept_operands: int  # wrappers held
+    call_hits: int
+    call_misses: int  # products that prepared (and returned) a call to keep
+
+
+# checked_hits, checked_misses, operand_hits, call_hits, call_misses
+_counts = [0, 0, 0, 0, 0]
+
+_checked: dict[tuple[Any, ...], CheckedCall] = {}
+
+
+def checked_call(signature: tuple[Any, ...]) -> CheckedCall | None:
+    """The checked call of an earlier call with this signature, or None."""
+    found = _checked.get(signature)
+    _counts[found is None] += 1
+    return found
+
+
+def keep_checked_call(signature: tuple[Any, ...], checked: CheckedCall) -> None:
+    if len(_checked) >= CHECKED_CALLS_MAX:
+        _checked.clear()
+    _checked[signature] = checked
+
+
+# -- kept operands ----------------------------------------------------------------------------------------
+#
+# Valid while the wrapper has the same TensorImpl (``_cdata``), the same version counter value
+# (``_version``) and its index data is unchanged (the pattern's snapshot). The first two say that it still
+# has the members it had, so that the snapshot is of their memory:
+# - the version counter of a sparse compressed tensor is shared by the aliases its accessors return
+#   (``crow_indices()``, ``col_indices()``, ``values()``), so an in-place change through any of them bumps
+#   it, and so does every op that gives it new members (``copy_``, ``resize_as_sparse_``, ``zero_``), in
+#   inference mode too (tests/test_cache_lifetime.py checks these facts of torch);
+# - ``torch.utils.swap_tensors`` refuses a tensor with weak references (the entry holds one), and the
+#   TensorImpl comparison catches any other swap.
+# Inference tensors (no version counter) are never kept.
+
+# id(wrapper) -> (ref to it, its TensorImpl address, its version, the operand, its pattern's snapshot)
+_operands: dict[int, tuple[Any, ...]] = {}
+
+
+def kept_operand(bsr: torch.Tensor) -> Operand | None:
+    """The operand kept for this very ``bsr`` (:func:`keep_operand`), or None when it may have changed
+    since. A hit counts as a hit of the plan cache too (it stands for one)."""
+    seen = _operands.get(id(bsr))
+    if seen is None or seen[0]() is not bsr or seen[1] != bsr._cdata or seen[2] != bsr._version:
+        return None
+    if not seen[4].unchanged():
+        return None  # its pattern was written since: the caller rebuilds (and revalidates) it
+    _counts[2] += 1
+    plans.count_hit()
+    return seen[3]
+
+
+def keep_operand(bsr: torch.Tensor, version: int, operand: Operand) -> None:
+    """Keep ``bsr``'s validated operand (built from its members when its version was ``version``) for
+    :func:`kept_operand`. ``operand`` must not hold ``bsr`` itself (the entry would never die)."""
+    if bsr.is_inference() or operand.pattern is None:
+        return
+    # The entry goes when the object dies, by a C function (no Python code runs in a weakref callback:
+    # see bsrkit.cache); its id cannot be reused before that, as the callback runs while it is freed.
+    forget = functools.partial(_operands.pop, id(bsr))  # called as pop(id, ref)
+    proof = operand.pattern.proof  # (of the memory of bsr's members: the pattern's key names it)
+    _operands[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand, proof)
+
+
+# -- prepared calls ---------------------------------------------------------------------------------------
+
+
+def prepared_call(
+    a: Operand, key: tuple[Any, ...], checked: CheckedCall | None, tuning_state: tuple[Any, Any]
+) -> Any:
+    """The prepared call kept for ``key`` on ``a``'s pattern, made for the same checked call (by
+    identity; None for calls keyed by their whole layout and parameters) and the same tuning state
+    (:func:`bsrkit.tuning.resolve_state`, by identity); None when there is none."""
+    pattern = a.pattern
+    if pattern is None:
+        return None
+    kept = pattern.calls.get(key)
+    if (
+        kept is None
+        or kept[0] is not checked
+        or kept[1] is not tuning_state[0]
+        or kept[2] is not tuning_state[1]
+    ):
+        return None
+    _counts[3] += 1
+    return kept[3]
+
+
+def keep_prepared_call(
+    a: Operand, key: tuple[Any, ...], checked: CheckedCall | None, tuning_state: tuple[Any, Any], rerun: Any
+) -> None:
+    """Keep ``rerun`` (a backend's prepared call) for :func:`prepared_call`."""
+    pattern = a.pattern
+    _counts[4] += 1
+    if pattern is None:
+        return
+    if len(pattern.calls) >= CALLS_PER_PATTERN:
+        pattern.calls.clear()
+    pattern.calls[key] = (checked, tuning_state[0], tuning_state[1], rerun)
+
+
+def info() -> ShortcutInfo:
+    """Hits, misses and sizes of the shortcut tables."""
+    checked_hits, checked_misses, operand_hits, call_hits, call_misses = _counts
+    return ShortcutInfo(
+        checked_hits, checked_misses, len(_checked), operand_hits, len(_operands), call_hits, call_misses
+    )
+
+
+def clear() -> None:
+    """Forget every checked call and kept operand and reset the counters (prepared calls live on their
+    patterns: :func:`cache_clear` drops those too)."""
+    _checked.clear()
+    _operands.clear()
+    _counts[:] = [0] * len(_counts)
+
+
+def cache_clear() -> None:
+    """Drop every cached plan and every shortcut, and reset all statistics (``bsrkit.cache_clear``)."""
+    clear()
+    plans.cache_clear()
