@@ -128,12 +128,13 @@ def test_fused_backward_heads_split_between_workers(nthreads):
     from bsrkit import attention
     from bsrkit.backends.cpu import attention_kernels
     from bsrkit.backends.cpu.backend import _run
+    from bsrkit.mask_bias import block_bias
     from bsrkit.operand import Operand
 
     mask = _with_false_entries(random_bsr((40, 36), (4, 6), 0.6, torch.bool, empty_rows=(3,)), seed=3)
     q, k, v = _inputs((2, 40, 8), (2, 36, 8), (2, 36, 4), seed=4)
     a = Operand.of(attention._pattern(mask, (2,)))
-    bias = attention.block_bias(mask, True, torch.float64)
+    bias = block_bias(mask, True, torch.float64)
     with torch.no_grad():
         out, lse = attention_kernels.forward(a, q, k, v, bias, 0.3, nthreads, _run)
         grad = torch.randn_like(out)

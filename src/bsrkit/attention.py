@@ -34,14 +34,16 @@ attend it, as the math does; an entry a mask excludes stays excluded whatever it
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, NamedTuple
 
 import torch
 
-from bsrkit import autograd, dispatch, plans
+from bsrkit import autograd, dispatch
+from bsrkit.backends.base import Backend, FusedAttention, fused_attention
 from bsrkit.cache import weak_lru_cache
 from bsrkit.eager import eager_under_compile
+from bsrkit.environment import getenv
+from bsrkit.mask_bias import BlockBias, cached_block_bias
 from bsrkit.masks import (  # (re-exported: the builders lived here)
     block_local_mask,
     causal_mask,
@@ -121,34 +123,68 @@ def scaled_dot_product_attention(
         (query.shape[:-2], key.shape[:-2], value.shape[:-2], attn_mask.shape[:-2]),
     )
     device, dtype = query.device, query.dtype
-    backends = (
-        dispatch.select(_OP, "sampled", device, dtype),
-        dispatch.select(_OP, "softmax", device, dtype),
-        dispatch.select(_OP, "addmm", device, dtype),
-    )
+    sampled = dispatch.select(_OP, "sampled", device, dtype)
+    softmax = dispatch.select(_OP, "softmax", device, dtype)
+    addmm = dispatch.select(_OP, "addmm", device, dtype)
     a = Operand.of(_pattern(attn_mask, tuple(batch)))
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    fused = _fused_backend(backends, a, query, value, dropout_p)
-    args = (backends, fused, a, attn_mask, is_causal, compute, float(scale), float(dropout_p), batch)
+    fused = None
+    if _may_fuse(sampled, softmax, addmm, a, query, value, dropout_p):
+        fused = fused_attention(addmm)
+    call = _Call(
+        sampled,
+        softmax,
+        addmm,
+        fused,
+        a,
+        attn_mask,
+        is_causal,
+        compute,
+        float(scale),
+        float(dropout_p),
+        batch,
+    )
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        return _Attention.apply(query, key, value, *args)
-    return _forward(query, key, value, *args)[0]
+        return _Attention.apply(query, key, value, call)
+    return _forward(query, key, value, call)[0]
 
 
-def _fused_backend(
-    backends: tuple[Any, Any, Any], a: Operand, query: torch.Tensor, value: torch.Tensor, dropout_p: float
-) -> Any:
-    """The backend whose fused loops (``attention_forward``/``attention_backward``, an optional
-    capability) take this call, or None: then the composed path (SDDMM, softmax, products) runs.
+FUSED_ENV = "BSRKIT_FUSED_ATTENTION"
+
+
+class _Call(NamedTuple):
+    """One attention call's backends and arguments, as the forward and the backward share them."""
+
+    sampled: Backend
+    softmax: Backend
+    addmm: Backend
+    fused: FusedAttention | None  # the fused loops that take this call, or None: the composed path
+    a: Operand  # the mask's pattern, broadcast to the batch
+    mask: torch.Tensor
+    is_causal: bool
+    compute: torch.dtype  # the softmax's dtype
+    scale: float
+    dropout_p: float
+    batch: torch.Size
+
+
+def _may_fuse(
+    sampled: Backend,
+    softmax: Backend,
+    addmm: Backend,
+    a: Operand,
+    query: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float,
+) -> bool:
+    """Whether a backend's fused loops (an optional capability: :func:`~bsrkit.backends.base.fused_attention`)
+    may take this call; otherwise the composed path (SDDMM, softmax, products) runs.
     ``BSRKIT_FUSED_ATTENTION=0`` turns them off (for testing the composed path). Dropout is composed."""
-    sampled, softmax, addmm = backends
-    if os.environ.get("BSRKIT_FUSED_ATTENTION", "1") == "0" or not hasattr(addmm, "attention_forward"):
-        return None
+    if getenv(FUSED_ENV) == "0":
+        return False
     if dropout_p > 0 or sampled is not addmm or softmax is not addmm or not a.nnz:
-        return None
-    if query.shape[-1] == 0 or value.shape[-1] == 0:  # (BLAS rejects a leading dimension of 0)
-        return None
-    return addmm
+        return False
+    return bool(query.shape[-1] and value.shape[-1])  # (BLAS rejects a leading dimension of 0)
 
 
 def _check_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
@@ -206,87 +242,6 @@ def _pattern(mask: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
     return mask if tuple(mask.shape[:-2]) == batch else _expanded_pattern(mask, batch)
 
 
-def _mask_bias(mask: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> torch.Tensor | None:
-    """``(*Bm, nnz, Ms, Ns)`` added to the scores inside the stored blocks (``-inf`` excludes an entry),
-    or None when it would be all zeros. O(nnz) elements, computed per call (mask values may change)."""
-    values = mask.values()
-    bias = None
-    if mask.dtype == torch.bool:
-        if values.numel() and not bool(values.all()):
-            bias = torch.zeros(values.shape, dtype=dtype, device=values.device).masked_fill_(
-                ~values, -torch.inf
-            )
-    else:
-        bias = values.to(dtype)
-    if is_causal and values.numel():
-        Ms, Ns = values.shape[-2:]
-        rows = plans.block_rows(Operand.of(mask).source).reshape(values.shape[:-2]).to(values.device)
-        cols = mask.col_indices().to(torch.int64)
-        first_row = rows[..., None, None] * Ms + torch.arange(Ms, device=values.device)[:, None]
-        first_col = cols[..., None, None] * Ns + torch.arange(Ns, device=values.device)
-        future = first_col > first_row  # (*Bm, nnz, Ms, Ns)
-        if bool(future.any()):
-            bias = (
-                torch.zeros(values.shape, dtype=dtype, device=values.device) if bias is None else bias.clone()
-            )
-            bias.masked_fill_(future, -torch.inf)
-    return bias
-
-
-class BlockBias(NamedTuple):
-    """The mask per stored block (:func:`block_bias`): ``block_index`` ``(*Bm, nnz)`` int64, -1 = every entry
-    allowed (no bias), -2 = nothing allowed (skipped), ``i >= 0``: add ``values[i]`` ``(Ms, Ns)``;
-    ``batch`` = the mask's batch shape ``Bm``."""
-
-    block_index: torch.Tensor
-    values: torch.Tensor
-    batch: torch.Size
-
-
-def block_bias(mask: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> BlockBias:
-    """The mask (and ``is_causal``) per stored block, for the fused loops: a block with every entry
-    allowed needs no bias and a block with none is skipped; only the others (a window's edges, a causal
-    diagonal, every block of a float mask) get a bias block. O(nnz) time and memory."""
-    values = mask.values()
-    nnz, Ms, Ns = values.shape[-3:]
-    vals = values.reshape(-1, nnz, Ms, Ns)
-    if mask.dtype == torch.bool:
-        flat = vals.flatten(-2).view(torch.uint8)  # (amin/amax over bytes: ~30x faster than all/any)
-        full, empty = flat.amin(-1) == 1, flat.amax(-1) == 0
-    else:
-        full = empty = torch.zeros(vals.shape[:2], dtype=torch.bool, device=values.device)
-    if is_causal:
-        rows = plans.block_rows(Operand.of(mask).source).reshape(vals.shape[:2]).to(values.device)
-        cols = mask.col_indices().reshape(vals.shape[:2]).to(torch.int64)
-        future = cols * Ns > rows * Ms + Ms - 1  # every key after every query of the block
-        full = full & (cols * Ns + Ns - 1 <= rows * Ms)
-        empty = empty | future
-    partial = ~(full | empty)
-    index = torch.full(vals.shape[:2], -1, dtype=torch.int64, device=values.device)
-    index[empty] = -2
-    pb, pg = partial.nonzero(as_tuple=True)
-    index[pb, pg] = torch.arange(pb.numel(), device=values.device)
-    blocks = vals[pb, pg]
-    if mask.dtype == torch.bool:
-        bias = torch.zeros(blocks.shape, dtype=dtype, device=values.device).masked_fill_(~blocks, -torch.inf)
-    else:
-        bias = blocks.to(dtype)
-    if is_causal and pb.numel():
-        first_row = rows[pb, pg][:, None, None] * Ms + torch.arange(Ms, device=values.device)[:, None]
-        first_col = cols[pb, pg][:, None, None] * Ns + torch.arange(Ns, device=values.device)
-        bias.masked_fill_(first_col > first_row, -torch.inf)
-    return BlockBias(index.reshape(*values.shape[:-3], nnz), bias, values.shape[:-3])
-
-
-@weak_lru_cache(maxsize=64, maxbytes=2**28, verify_contents=True)
-def _cached_block_bias(
-    mask: torch.Tensor, values: torch.Tensor, is_causal: bool, dtype: torch.dtype
-) -> BlockBias:
-    """:func:`block_bias`, cached for as long as the mask's indices and values live; ``values`` (the
-    mask's) is in the key so that a hit proves them unchanged too, whatever wrote them."""
-    return block_bias(mask, is_causal, dtype)
-
-
 class _Saved(NamedTuple):
     """What the backward needs besides query, key, value: the fused path's output and log-sum-exp and
     the block bias, or the composed path's weights and dropout's kept set."""
@@ -300,52 +255,34 @@ class _Saved(NamedTuple):
 
 
 def _forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    backends: tuple[Any, Any, Any],
-    fused: Any,
-    a: Operand,
-    mask: torch.Tensor,
-    is_causal: bool,
-    compute: torch.dtype,
-    scale: float,
-    dropout_p: float,
-    batch: torch.Size,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _Call
 ) -> tuple[torch.Tensor, _Saved]:
-    if fused is not None:
-        bias = _cached_block_bias(mask, mask.values(), is_causal, compute)
-        result = fused.attention_forward(a, query, key, value, bias, scale)
+    if call.fused is not None:
+        bias = cached_block_bias(call.mask, call.is_causal, call.compute)
+        result = call.fused.attention_forward(call.a, query, key, value, bias, call.scale)
         if result is not None:
             return result[0], _Saved(True, result[0], result[1], bias, None, None)
-    addmm = backends[2]
-    weights = _weights(query, key, backends, a, mask, is_causal, compute, scale, batch)
+    weights = _weights(query, key, call)
     keep = None
     dropped = weights
-    if dropout_p > 0:
-        keep = torch.empty(weights.shape, dtype=torch.bool, device=weights.device).bernoulli_(1 - dropout_p)
-        dropped = _apply_dropout(weights, keep, dropout_p)
+    if call.dropout_p > 0:
+        keep = torch.empty(weights.shape, dtype=torch.bool, device=weights.device).bernoulli_(
+            1 - call.dropout_p
+        )
+        dropped = _apply_dropout(weights, keep, call.dropout_p)
+    batch = call.batch
     out = torch.empty((*batch, query.shape[-2], value.shape[-1]), dtype=query.dtype, device=query.device)
-    product = a._replace(values=dropped) if _nonempty(a, out, key.shape[-2]) else None
-    dispatch.addmm(_MM, addmm, None, product, value, out, batch, 0.0, 1.0, None)
+    product = call.a._replace(values=dropped) if _nonempty(call.a, out, key.shape[-2]) else None
+    dispatch.addmm(_MM, call.addmm, None, product, value, out, batch, 0.0, 1.0, None)
     return out, _Saved(False, None, None, None, weights, keep)
 
 
-def _weights(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    backends: tuple[Any, Any, Any],
-    a: Operand,
-    mask: torch.Tensor,
-    is_causal: bool,
-    compute: torch.dtype,
-    scale: float,
-    batch: torch.Size,
-) -> torch.Tensor:
+def _weights(query: torch.Tensor, key: torch.Tensor, call: _Call) -> torch.Tensor:
     """The attention weights at the stored blocks, composed: SDDMM, then the block-row softmax."""
-    sampled, softmax, _ = backends
-    scores = dispatch.sampled(_SAMPLED, sampled, a, query, key.mT, batch, scale)
-    return dispatch.softmax(softmax, a, scores, _mask_bias(mask, is_causal, compute), zero_empty_rows=True)
+    a = call.a
+    scores = dispatch.sampled(_SAMPLED, call.sampled, a, query, key.mT, call.batch, call.scale)
+    bias = cached_block_bias(call.mask, call.is_causal, call.compute).dense()
+    return dispatch.softmax(call.softmax, a, scores, bias, zero_empty_rows=True)
 
 
 def _apply_dropout(w: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
@@ -362,67 +299,45 @@ def _nonempty(a: Operand, out: torch.Tensor, inner: int) -> bool:
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        backends: tuple[Any, Any, Any],
-        fused: Any,
-        a: Operand,
-        mask: torch.Tensor,
-        is_causal: bool,
-        compute: torch.dtype,
-        scale: float,
-        dropout_p: float,
-        batch: torch.Size,
+        ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _Call
     ) -> torch.Tensor:
-        out, saved = _forward(
-            query, key, value, backends, fused, a, mask, is_causal, compute, scale, dropout_p, batch
-        )
+        out, saved = _forward(query, key, value, call)
         if saved.fused:
             ctx.save_for_backward(query, key, value, saved.out, saved.lse)
         else:
             ctx.save_for_backward(query, key, value, saved.weights, saved.keep)
-        ctx.args = (
-            backends,
-            fused,
-            a,
-            mask,
-            is_causal,
-            compute,
-            scale,
-            dropout_p,
-            batch,
-            saved.fused,
-            saved.bias,
-        )
+        ctx.call, ctx.was_fused, ctx.bias = call, saved.fused, saved.bias
         return out
 
     @staticmethod
     @autograd.first_order_only("scaled_dot_product_attention")
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        backends, fused, a, mask, is_causal, compute, scale, _, batch, was_fused, bias = ctx.args
+        call: _Call = ctx.call
         query, key, value, x, y = ctx.saved_tensors
-        nones = (None,) * 9
-        if was_fused:
-            result = fused.attention_backward(a, query, key, value, x, y, grad, bias, scale)
+        if ctx.was_fused:
+            assert call.fused is not None
+            result = call.fused.attention_backward(
+                call.a, query, key, value, x, y, grad, ctx.bias, call.scale
+            )
             if result is not None:
                 dq, dk, dv = result
                 return (
                     dq.sum_to_size(query.shape),
                     dk.sum_to_size(key.shape),
                     dv.sum_to_size(value.shape),
-                    *nones,
+                    None,
                 )
             # (the fused loops declined the backward: recompute the weights, then as composed)
-            weights, keep = _weights(query, key, backends, a, mask, is_causal, compute, scale, batch), None
+            weights, keep = _weights(query, key, call), None
         else:
             weights, keep = x, y
-        return (*_composed_backward(ctx, grad, query, key, value, weights, keep), *nones)
+        needs = ctx.needs_input_grad[:3]
+        return (*_composed_backward(call, needs, grad, query, key, value, weights, keep), None)
 
 
 def _composed_backward(
-    ctx: Any,
+    call: _Call,
+    needs: tuple[bool, bool, bool],
     grad: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -430,8 +345,8 @@ def _composed_backward(
     weights: torch.Tensor,
     keep: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    (sampled, softmax, addmm), _, a, _, _, _, scale, dropout_p, batch, _, _ = ctx.args
-    need_q, need_k, need_v = ctx.needs_input_grad[:3]
+    a, scale, dropout_p, batch = call.a, call.scale, call.dropout_p, call.batch
+    need_q, need_k, need_v = needs
     L, S = query.shape[-2], key.shape[-2]
     grad_q = grad_k = grad_v = None
     if need_v:
@@ -439,23 +354,23 @@ def _composed_backward(
         dropped = weights if keep is None else _apply_dropout(weights, keep, dropout_p)
         dv = torch.empty((*batch, S, value.shape[-1]), dtype=grad.dtype, device=grad.device)
         product = a._replace(values=dropped).transposed() if _nonempty(a, dv, L) else None
-        dispatch.addmm(_MM_T, addmm, None, product, grad, dv, batch, 0.0, 1.0, None)
+        dispatch.addmm(_MM_T, call.addmm, None, product, grad, dv, batch, 0.0, 1.0, None)
         grad_v = dv.sum_to_size(value.shape)
     if need_q or need_k:
         # dW = (dO V^T)|P (SDDMM), then the softmax's backward.
-        dw = dispatch.sampled(_SAMPLED, sampled, a, grad, value.mT, batch, 1.0)
+        dw = dispatch.sampled(_SAMPLED, call.sampled, a, grad, value.mT, batch, 1.0)
         if keep is not None:
             dw = _apply_dropout(dw, keep, dropout_p)
-        ds = dispatch.softmax_backward(softmax, a, weights, dw)
+        ds = dispatch.softmax_backward(call.softmax, a, weights, dw)
         del dw
         if need_q:
             dq = torch.empty((*batch, L, query.shape[-1]), dtype=grad.dtype, device=grad.device)
             product = a._replace(values=ds) if _nonempty(a, dq, S) else None
-            dispatch.addmm(_MM, addmm, None, product, key, dq, batch, 0.0, scale, None)
+            dispatch.addmm(_MM, call.addmm, None, product, key, dq, batch, 0.0, scale, None)
             grad_q = dq.sum_to_size(query.shape)
         if need_k:
             dk = torch.empty((*batch, S, key.shape[-1]), dtype=grad.dtype, device=grad.device)
             product = a._replace(values=ds).transposed() if _nonempty(a, dk, L) else None
-            dispatch.addmm(_MM_T, addmm, None, product, query, dk, batch, 0.0, scale, None)
+            dispatch.addmm(_MM_T, call.addmm, None, product, query, dk, batch, 0.0, scale, None)
             grad_k = dk.sum_to_size(key.shape)
     return grad_q, grad_k, grad_v

@@ -19,13 +19,28 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from bsrkit.mask_bias import BlockBias
     from bsrkit.operand import Operand
 
-__all__ = ["KERNELS", "Backend", "ParamSpec", "int_at_least_one", "power_of_two_at_least_16", "zero_or_one"]
+__all__ = [
+    "CAPABILITIES",
+    "KERNELS",
+    "Backend",
+    "FusedAttention",
+    "ParamSpec",
+    "fused_attention",
+    "int_at_least_one",
+    "power_of_two_at_least_16",
+    "zero_or_one",
+]
 
 # What a backend may be asked to run (``not_supported_reasons`` names one of these). int8 products will
 # be added here, each as a method of the contract below. "softmax" covers both of its methods.
 KERNELS = ("addmm", "sampled", "scatter_mm", "softmax")
+
+# Optional capabilities a backend may declare in ``Backend.capabilities``, each a protocol below that
+# the backend then implements: "fused_attention" (:class:`FusedAttention`).
+CAPABILITIES = ("fused_attention",)
 
 
 class ParamSpec(NamedTuple):
@@ -58,6 +73,8 @@ class Backend(Protocol):
     # Device types for which the dispatcher picks this backend on its own (None: any); a backend may
     # run elsewhere when forced (Triton's interpreter on CPU tensors).
     auto_devices: ClassVar[frozenset[str] | None]
+    # Which of :data:`CAPABILITIES` it implements (see :func:`fused_attention`).
+    capabilities: ClassVar[frozenset[str]]
 
     def not_supported_reasons(self, kernel: str, device: torch.device, dtype: torch.dtype) -> list[str]:
         """Why this backend cannot run ``kernel`` (one of :data:`KERNELS`) here; empty when it can."""
@@ -153,3 +170,52 @@ class Backend(Protocol):
         ``(*batch, nnz, Ms, Ns)`` with ``a``'s indices batched as in :meth:`softmax`; returns a new
         tensor in ``y``'s dtype."""
         ...
+
+
+class FusedAttention(Protocol):
+    r"""The optional capability "fused_attention": attention over a BSR mask in one pass of fused loops
+    (scores, online softmax and the product per block row), never materialising the weights.
+
+    ``a`` is the mask's pattern broadcast to the call's batch (``(*batch, L, S)``, blocks ``(Ms, Ns)``);
+    ``query`` ``(*B, L, E)``, ``key`` ``(*B, S, E)``, ``value`` ``(*B, S, Ev)`` broadcast to it; ``bias`` is
+    the mask per stored block (:class:`~bsrkit.mask_bias.BlockBias`, in the softmax's dtype); ``scale``
+    multiplies the scores. Either method may decline a call (a dtype or size its loops do not take) by
+    returning None: the caller then composes SDDMM, softmax and products."""
+
+    def attention_forward(
+        self,
+        a: Operand,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        bias: BlockBias,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        r"""``(out, lse)``: :math:`\mathrm{out} = \mathrm{softmax}(s\,QK^T + \mathrm{bias})\,V` over the
+        stored entries ``(*batch, L, Ev)`` in ``query``'s dtype, and each row's log-sum-exp
+        ``(*batch, L)`` (float32 or float64), which the backward reuses; a row with no allowed entry
+        gives zeros."""
+        ...
+
+    def attention_backward(
+        self,
+        a: Operand,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        grad: torch.Tensor,
+        bias: BlockBias,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(dQ, dK, dV)`` of :meth:`attention_forward` with the call's batch, given its ``out`` and
+        ``lse`` and the output gradient ``grad``."""
+        ...
+
+
+def fused_attention(backend: Backend) -> FusedAttention | None:
+    """``backend`` as a :class:`FusedAttention`, when it declares that capability; else None."""
+    if "fused_attention" in backend.capabilities:
+        return backend  # type: ignore[return-value]  # (declared: it implements the protocol)
+    return None

@@ -191,6 +191,7 @@ class TorchBackend:
     param_schema: ClassVar[Mapping[str, ParamSpec]] = {}  # nothing to tune: ``meta=`` is ignored
     tune_flag = ""
     auto_devices: ClassVar[frozenset[str] | None] = None  # any device: the fallback
+    capabilities: ClassVar[frozenset[str]] = frozenset()
 
     def not_supported_reasons(self, kernel: str, device: torch.device, dtype: torch.dtype) -> list[str]:
         return []

@@ -30,7 +30,7 @@ from bsrkit.backends.cpu.blas import mkl_functions
 from bsrkit.loading import import_module
 
 if TYPE_CHECKING:
-    from bsrkit.attention import BlockBias
+    from bsrkit.mask_bias import BlockBias
     from bsrkit.operand import Operand
 
 __all__ = ["available", "backward", "forward", "side_heads", "work_bounds"]

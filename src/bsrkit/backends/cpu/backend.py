@@ -29,7 +29,7 @@ from bsrkit.backends.torch_ops import TorchBackend
 from bsrkit.loading import import_module
 
 if TYPE_CHECKING:
-    from bsrkit.attention import BlockBias
+    from bsrkit.mask_bias import BlockBias
     from bsrkit.operand import Operand
 
 __all__ = ["CpuBackend", "cpu_device_name"]
@@ -359,6 +359,7 @@ class CpuBackend:
     }
     tune_flag = ""
     auto_devices: ClassVar[frozenset[str] | None] = frozenset({"cpu"})
+    capabilities: ClassVar[frozenset[str]] = frozenset({"fused_attention"})
 
     def not_supported_reasons(self, kernel: str, device: torch.device, dtype: torch.dtype) -> list[str]:
         reasons = []

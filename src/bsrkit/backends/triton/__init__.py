@@ -26,7 +26,7 @@ from bsrkit.backends.batching import (
 from bsrkit.backends.triton.tiles import clamped_tiles
 
 if TYPE_CHECKING:
-    from bsrkit.attention import BlockBias
+    from bsrkit.mask_bias import BlockBias
     from bsrkit.operand import Operand
 
 __all__ = ["TritonBackend", "available", "interpreting"]
@@ -61,6 +61,7 @@ class TritonBackend:
     auto_devices: ClassVar[frozenset[str] | None] = frozenset(
         {"cuda"}
     )  # CPU tensors only when forced, in the interpreter
+    capabilities: ClassVar[frozenset[str]] = frozenset({"fused_attention"})
 
     def not_supported_reasons(self, kernel: str, device: torch.device, dtype: torch.dtype) -> list[str]:
         if not available():

@@ -2,7 +2,7 @@ r"""Fused block-sparse attention forward in Triton (flash-attention style over a
 
 One program per (batch, block row, row tile): for each stored block ``g`` of the row (key block
 ``c = col[g]``), :math:`S = s\,Q_r K_c^T` (plus the block's bias when the mask is partial there, see
-:class:`bsrkit.attention.BlockBias`), then the online softmax update
+:class:`bsrkit.mask_bias.BlockBias`), then the online softmax update
 
 .. math::
     m' = \max(m, \max_j S_{:j}), \quad \ell' = e^{m - m'} \ell + \sum_j e^{S_{:j} - m'}, \quad
@@ -31,7 +31,7 @@ from bsrkit.backends.triton.kernels import dot_precision
 from bsrkit.backends.triton.tiles import tile
 
 if TYPE_CHECKING:
-    from bsrkit.attention import BlockBias
+    from bsrkit.mask_bias import BlockBias
     from bsrkit.operand import Operand
 
 __all__ = ["DEFAULT_PARAMS", "MAX_TILE", "forward"]
