@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numba
+import numpy as np
 
 from bsrkit.backends.cpu.compiled.constants import KIND_BF16, KIND_F64
 from bsrkit.backends.cpu.compiled.intrinsics import (
@@ -20,6 +21,7 @@ from bsrkit.backends.cpu.compiled.intrinsics import (
     call_fortran_gemm,
     gemm_scalars,
     set_threads_local,
+    task_bound,
 )
 from bsrkit.backends.cpu.compiled.support import (
     Address,
@@ -36,26 +38,6 @@ from bsrkit.backends.cpu.compiled.support import (
 __all__ = ["ScatterMMArgs", "scatter_mm"]
 
 
-@numba.njit(nogil=True, cache=False)
-def scatter_task_start(t, nthreads, cum, ntasks, nbatch):
-    """The first task (``batch * ntasks + i``) of worker ``t``'s run: the first whose preceding cost
-    reaches ``t / nthreads`` of the total (batch ``b``'s tasks cost ``cum`` each, after ``b`` batches)."""
-    if t <= 0:
-        return 0
-    if t >= nthreads:
-        return ntasks * nbatch
-    target = cum[ntasks] * nbatch * t / nthreads
-    lo, hi = 0, ntasks * nbatch
-    while lo < hi:
-        mid = (lo + hi) // 2
-        b = mid // ntasks
-        if b * cum[ntasks] + cum[mid - b * ntasks] >= target:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
 @njit(parallel=True, nogil=True)
 def scatter_mm(
     kind, tiles, pairs, tasks, cum, nbatch, nthreads,
@@ -69,6 +51,10 @@ def scatter_mm(
     ntasks = tasks.shape[0]
     if ntasks == 0 or nbatch == 0:
         return
+    # The work split of the bsr @ dense loops, every batch with the same tasks (one "panel" of ntasks rows).
+    bstart = np.arange(nbatch + 1) * cum[ntasks]  # cost before each batch's first task
+    bsr_of = np.zeros(nbatch, np.int64)
+    cum2 = cum.reshape((1, ntasks + 1))
     gemm = dgemm if kind == KIND_F64 else sgemm
     gemm_half = gemm_bf16 if kind == KIND_BF16 else gemm_f16
     for t in numba.prange(nthreads):
@@ -78,10 +64,9 @@ def scatter_mm(
         old_threads = set_threads_local(set_threads, p_int + 28)
         ta = CBLAS_NO_TRANS if a_rowmajor else CBLAS_TRANS
         tb = CBLAS_NO_TRANS if b_rowmajor else CBLAS_TRANS
-        k_end = scatter_task_start(t + 1, nthreads, cum, ntasks, nbatch)
-        for k in range(scatter_task_start(t, nthreads, cum, ntasks, nbatch), k_end):
-            b = k // ntasks
-            i = k - b * ntasks
+        b, i = task_bound(t, nthreads, bstart, cum2, bsr_of, ntasks, ntasks)
+        b_end, i_end = task_bound(t + 1, nthreads, bstart, cum2, bsr_of, ntasks, ntasks)
+        while b < b_end or (b == b_end and i < i_end):
             tile = tasks[i, 0]
             j0 = tasks[i, 1]
             w = tasks[i, 2]
@@ -123,6 +108,10 @@ def scatter_mm(
                     call_cblas_gemm_half(gemm_half, CBLAS_ROW_MAJOR, ta, tb, Ms, w, Ks, alpha,
                                           a_ptr, lda, b_ptr, ldb, 0.0 if first else 1.0,
                                           c_ptr, ldc)  # fmt: skip
+            i += 1
+            if i == ntasks:
+                b += 1
+                i = 0
         if set_threads != 0:
             ints[7] = old_threads
             set_threads_local(set_threads, p_int + 28)
