@@ -148,7 +148,7 @@ def attention_forward(
         scratch = np.zeros(8, np.int32)
         # scale, 0, 1 and the BLAS thread count by pointer, in one buffer kept alive by the restore below
         state, p_state, p_scale, rsize, _ = gemm_scalars(KIND_F64 if f64 else KIND_F32, scale, False, True,
-                                                          True, 0, 0, 0, 0)  # fmt: skip
+                                                         True, 0, 0, 0, 0)  # fmt: skip
         old_threads = set_threads_local(set_threads, p_state + 28)
         p_zero = p_scale + rsize
         p_one = p_scale + 2 * rsize
@@ -245,7 +245,7 @@ def attention_backward(
         scratch = np.zeros(8, np.int32)
         # scale, 0, 1 and the BLAS thread count by pointer, in one buffer kept alive by the restore below
         state, p_state, p_scale, rsize, _ = gemm_scalars(KIND_F64 if f64 else KIND_F32, scale, False, True,
-                                                          True, 0, 0, 0, 0)  # fmt: skip
+                                                         True, 0, 0, 0, 0)  # fmt: skip
         old_threads = set_threads_local(set_threads, p_state + 28)
         p_zero = p_scale + rsize
         p_one = p_scale + 2 * rsize

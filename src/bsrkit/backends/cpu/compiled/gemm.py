@@ -64,7 +64,7 @@ def bsr_mm(
     for t in numba.prange(nthreads):
         swap = c_rowmajor  # row-major C: compute C^T = B^T A^T in column-major terms
         ints, p_int, p_real, rsize, p_chr = gemm_scalars(kind, alpha, swap, a_rowmajor, b_rowmajor, lda, ldb,
-                                                          ldc, Ks)  # fmt: skip
+                                                         ldc, Ks)  # fmt: skip
         old_threads = set_threads_local(set_threads, p_int + 28)
         ta = CBLAS_NO_TRANS if a_rowmajor else CBLAS_TRANS
         tb = CBLAS_NO_TRANS if b_rowmajor else CBLAS_TRANS
@@ -86,8 +86,8 @@ def bsr_mm(
             c_ptr = c_addr + (c_boff[b] + r * Ms * c_rs + j0 * c_cs) * isz_c
             if g0 == g1 and overwrite:  # an empty block row: gemm with k = 0, beta = 0 writes 0
                 call_fortran_gemm(gemm if kind <= KIND_F64 else sgemm, p_chr + 2, p_chr + 3, p_int,
-                                   p_int + 4, p_int + 24, p_real, c_ptr, p_int + 20, c_ptr, p_int + 32,
-                                   p_real + rsize, c_ptr, p_int + 20)  # fmt: skip
+                                  p_int + 4, p_int + 24, p_real, c_ptr, p_int + 20, c_ptr, p_int + 32,
+                                  p_real + rsize, c_ptr, p_int + 20)  # fmt: skip
             for g in range(g0, g1):
                 a_ptr = a_addr + (a_boff[bb] + g * a_gs) * isz_ab
                 b_ptr = b_addr + (b_boff[b] + col[bb, g] * Ks * b_rs + j0 * b_cs) * isz_ab
@@ -97,12 +97,12 @@ def bsr_mm(
                     x_ptr = b_ptr if swap else a_ptr
                     y_ptr = a_ptr if swap else b_ptr
                     call_fortran_gemm(gemm, p_chr, p_chr + 1, p_int, p_int + 4, p_int + 8, p_real,
-                                       x_ptr, p_int + 12, y_ptr, p_int + 16, p_beta,
-                                       c_ptr, p_int + 20)  # fmt: skip
+                                      x_ptr, p_int + 12, y_ptr, p_int + 16, p_beta,
+                                      c_ptr, p_int + 20)  # fmt: skip
                 else:
                     beta = 0.0 if first else 1.0
                     call_cblas_gemm_half(gemm_half, CBLAS_ROW_MAJOR, ta, tb, Ms, ns, Ks, alpha,
-                                          a_ptr, lda, b_ptr, ldb, beta, c_ptr, ldc)  # fmt: skip
+                                         a_ptr, lda, b_ptr, ldb, beta, c_ptr, ldc)  # fmt: skip
             i += 1
             if i == ntasks:
                 b += 1

@@ -43,7 +43,7 @@ def sampled(
         for t in numba.prange(nthreads):
             # Row-major C: compute C^T = B^T A^T in column-major terms.
             ints, p_int, p_real, rsize, p_chr = gemm_scalars(kind, alpha, True, a_rowmajor, b_rowmajor, lda,
-                                                              ldb, Ns, K)  # fmt: skip
+                                                             ldb, Ns, K)  # fmt: skip
             ints[0] = Ns
             ints[1] = Ms
             old_threads = set_threads_local(set_threads, p_int + 28)
@@ -61,13 +61,13 @@ def sampled(
                     for k0 in range(0, max(K, 1), k_chunk):  # K == 0: one call (k = 0) writes 0
                         ints[2] = min(k_chunk, K - k0)
                         call_fortran_gemm(gemm, p_chr, p_chr + 1, p_int, p_int + 4, p_int + 8, p_real,
-                                           b_ptr + k0 * b_ks * isz_ab, p_int + 12,
-                                           a_ptr + k0 * a_ks * isz_ab, p_int + 16,
-                                           p_real + (rsize if k0 == 0 else 2 * rsize),
-                                           c_ptr, p_int + 20)  # fmt: skip
+                                          b_ptr + k0 * b_ks * isz_ab, p_int + 12,
+                                          a_ptr + k0 * a_ks * isz_ab, p_int + 16,
+                                          p_real + (rsize if k0 == 0 else 2 * rsize),
+                                          c_ptr, p_int + 20)  # fmt: skip
                 else:
                     call_cblas_gemm_half(gemm_half, CBLAS_ROW_MAJOR, ta, tb, Ms, Ns, K, alpha,
-                                          a_ptr, lda, b_ptr, ldb, 0.0, c_ptr, Ns)  # fmt: skip
+                                         a_ptr, lda, b_ptr, ldb, 0.0, c_ptr, Ns)  # fmt: skip
             if set_threads != 0:
                 ints[7] = old_threads
                 set_threads_local(set_threads, p_int + 28)
