@@ -54,10 +54,10 @@ def test_supported_kinds_follow_the_provider(monkeypatch):
 
 
 def test_compiled_module_repeats_the_kind_values():
-    from bsrkit.backends.cpu import _jit  # the compiled loops keep their own copy (one source hash)
+    from bsrkit.backends.cpu.compiled import constants  # (one definition, which kernels re-exports)
 
     for name in ("KIND_F32", "KIND_F64", "KIND_BF16", "KIND_F16", "DOT_NONE", "DOT_COLUMNS", "DOT_PAIRS"):
-        assert getattr(_jit, name) == getattr(kernels, name)
+        assert getattr(constants, name) == getattr(kernels, name)
 
 
 def test_scipy_provider_has_float_gemm_only():
@@ -74,16 +74,15 @@ def test_half_kind_on_a_provider_without_half_gemm_is_refused(monkeypatch):
     """The refusal comes before any BLAS call (the address would be 0)."""
     provider = blas.BLASProvider("nohalf", 1, 1, 0, 0, 0)
     monkeypatch.setattr(kernels, "blas_provider", lambda: provider)
-    from bsrkit.backends.cpu import _jit
+    from bsrkit.backends.cpu.compiled import entries as _jit
+    from bsrkit.backends.cpu.compiled.gemm import BsrMMArgs
 
-    run = kernels._bind(
-        "bsr_mm_kernel", _jit.bsr_mm, _jit.bsr_mm_serial, 5, provider, nargs=31, alpha_at=27, arrays_at=()
-    )
+    run = kernels._bind("bsr_mm_kernel", _jit.bsr_mm, _jit.bsr_mm_serial, BsrMMArgs, provider)
     args = [kernels.KIND_BF16] + [0] * 30
     with pytest.raises(ValueError, match=r"expected a kind in \['float32', 'float64'\].*got bfloat16"):
-        run(*args)
-    with pytest.raises(TypeError, match="expected 31 arguments, got 3"):
-        run(1, 2, 3)
+        run(BsrMMArgs(*args))
+    with pytest.raises(TypeError, match="expected a BsrMMArgs, got tuple"):
+        run((1, 2, 3))
 
 
 def test_forced_provider_that_is_missing_warns_and_disables(monkeypatch):
@@ -121,7 +120,8 @@ def test_sampled_kernel_accumulates_over_chunks_of_k(column_major):
     provider = blas.blas_provider()
     if provider is None:
         pytest.skip("no BLAS for the CPU kernels")
-    from bsrkit.backends.cpu import _jit
+    from bsrkit.backends.cpu.compiled import entries as _jit
+    from bsrkit.backends.cpu.compiled.sampled import SampledArgs
 
     Ms, Ns, K = 4, 5, 10
     limited = provider._replace(single_thread_mnk=Ms * Ns * 3)
@@ -129,12 +129,9 @@ def test_sampled_kernel_accumulates_over_chunks_of_k(column_major):
         "sampled_kernel",
         _jit.sampled,
         _jit.sampled_serial,
-        3,
+        SampledArgs,
         limited,
-        21,
-        18,
-        (1, 2, 5, 10),
-        lambda args, mnk: (max(1, min(args[17], mnk // (args[15] * args[16]))),),
+        lambda args, mnk: args._replace(k_chunk=max(1, min(args.K, mnk // (args.Ms * args.Ns)))),
     )  # fmt: skip  (the same rule as kernels.sampled_kernel)
     torch.manual_seed(3)
     mat1 = torch.randint(-3, 4, (3 * Ms, K), dtype=torch.float64)
@@ -150,12 +147,12 @@ def test_sampled_kernel_accumulates_over_chunks_of_k(column_major):
     b_layout = kernels.blas_layout(mat2.stride(0), mat2.stride(1), *mat2.shape)
     assert a_layout is not None and b_layout is not None
     zero = torch.zeros(1, dtype=torch.int64).numpy()
-    run(
+    run(SampledArgs(
         kernels.KIND_F64, rows.numpy(), cols.numpy(), 2,
         mat1.data_ptr(), zero, mat1.stride(0), a_layout[0], a_layout[1],
         mat2.data_ptr(), zero, mat2.stride(1), b_layout[0], b_layout[1],
         out.data_ptr(), Ms, Ns, K, 2, 8, 8,
-    )  # fmt: skip
+    ))  # fmt: skip
     product = 2 * mat1 @ mat2
     for g, (r, c) in enumerate(zip(rows[0].tolist(), cols[0].tolist(), strict=True)):
         assert torch.equal(out[0, g], product[r * Ms : (r + 1) * Ms, c * Ns : (c + 1) * Ns]), g
@@ -167,9 +164,9 @@ def test_gemm_scalars_live_in_the_buffer_the_loop_keeps(kind):
     frees an array after its last use, so a separate scalar array could be reused while gemm reads it)."""
     import ctypes
 
-    from bsrkit.backends.cpu import _jit
+    from bsrkit.backends.cpu.compiled import intrinsics
 
-    ints, p_int, p_real, rsize, p_chr = _jit._gemm_scalars(kind, 2.5, True, True, False, 5, 6, 7, 8)
+    ints, p_int, p_real, rsize, p_chr = intrinsics.gemm_scalars(kind, 2.5, True, True, False, 5, 6, 7, 8)
     assert p_int == ints.ctypes.data and p_int < p_real < p_chr < p_int + ints.nbytes
     assert list(ints[:9]) == [0, 0, 8, 6, 5, 7, 0, 1, 1]  # m n k lda ldb ldc 0 threads 1 (swapped lda/ldb)
     real = ctypes.c_double if kind == 1 else ctypes.c_float

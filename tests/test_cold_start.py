@@ -20,7 +20,7 @@ import bsrkit
 from bsrkit.backends.cpu import blas, kernels
 
 SRC = Path(__file__).parents[1] / "src"
-JIT_FILE = SRC / "bsrkit" / "backends" / "cpu" / "_jit.py"
+JIT_FILE = SRC / "bsrkit" / "backends" / "cpu" / "compiled" / "support.py"
 
 pytestmark = pytest.mark.skipif(blas.blas_provider() is None, reason="no BLAS for the CPU kernels")
 
@@ -88,7 +88,7 @@ def test_first_processes_compile_concurrently_and_later_ones_load(tmp_path):
         assert later["cache"][name]["hits"] == 1 and later["cache"][name]["misses"] == 0, later
 
 
-# A module with one cached function, loading _jit.py by path (no torch import: these processes are quick).
+# A module with one cached function, loading compiled/support.py by path (no torch import: quick processes).
 PROBE = textwrap.dedent(
     """
     import importlib.util, json, sys
@@ -119,9 +119,9 @@ def _probe(tmp_path: Path, source: str | None = None) -> dict:
 def test_cache_is_never_stale_even_with_the_same_size_and_mtime(tmp_path):
     """An upgrade may keep a file's size and modification time (wheels carry fixed timestamps): the
     cache index is keyed on the source's content."""
-    old = "from probe_jit import _njit\n\n@_njit()\ndef answer(x):\n    return x + 1\n"
+    old = "from probe_jit import njit\n\n@njit()\ndef answer(x):\n    return x + 1\n"
     # The same size and bytecode: only a constant differs.
-    new = "from probe_jit import _njit\n\n@_njit()\ndef answer(x):\n    return x + 7\n"
+    new = "from probe_jit import njit\n\n@njit()\ndef answer(x):\n    return x + 7\n"
     assert len(old) == len(new)
     assert _probe(tmp_path, old) == {"value": 2, "hits": 0, "misses": 1}
     assert _probe(tmp_path, old) == {"value": 2, "hits": 1, "misses": 0}
@@ -137,7 +137,7 @@ def test_no_writable_cache_location_compiles_in_memory(tmp_path, monkeypatch):
     """A read-only install with no writable cache directory: the functions compile in memory."""
     import numba
 
-    from bsrkit.backends.cpu import _jit
+    from bsrkit.backends.cpu.compiled import support
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -147,7 +147,7 @@ def test_no_writable_cache_location_compiles_in_memory(tmp_path, monkeypatch):
     probe.write_text("def answer(x):\n    return x * 3\n")
     namespace: dict = {"__file__": str(probe)}
     exec(compile(probe.read_text(), str(probe), "exec"), namespace)
-    dispatcher = _jit._njit()(namespace["answer"])
+    dispatcher = support.njit()(namespace["answer"])
     assert dispatcher(2) == 6
     assert dispatcher.stats.cache_path is None
     assert not (blocker.parent / "cache").exists()
@@ -156,7 +156,7 @@ def test_no_writable_cache_location_compiles_in_memory(tmp_path, monkeypatch):
 def test_one_compiled_signature_per_kernel():
     """Every call reaches the kernels with the same argument types (a second signature would mean a
     second compile and a second cache entry), whatever the operands' layouts."""
-    from bsrkit.backends.cpu import _jit
+    from bsrkit.backends.cpu.compiled import entries as _jit
 
     torch.manual_seed(1)
     bsr = torch.randn(2, 32, 32).to_sparse_bsr((8, 8))
@@ -190,12 +190,12 @@ def test_packed_entry_checks_what_it_packs():
     """The C entries read arrays by address: pack() refuses what they could not read."""
     import numpy as np
 
-    from bsrkit.backends.cpu import _jit
+    from bsrkit.backends.cpu.compiled import entries
 
-    entry = _jit.bsr_mm_small_serial
+    entry = entries.bsr_mm_small_serial
     made = {"1": np.zeros(1, np.int64), "2": np.zeros((1, 2), np.int64), "F": np.zeros((1, 2))}
-    args = [made.get(kind, 1) for kind in _jit._BSR_MM_SMALL_KINDS]
-    assert entry.pack(args).shape == (25 * _jit._SLOTS,)
+    args = [made.get(kind, 1) for kind in entry.kinds]
+    assert entry.pack(args).shape == (25 * entries.SLOTS,)
     with pytest.raises(TypeError, match="expected 25 arguments"):
         entry.pack(args[:-1])
     strided, single = np.zeros((2, 2), np.int64)[:, :1], np.zeros((1, 2), np.float32)

@@ -113,11 +113,11 @@ def test_two_row_major_columns_are_read_in_place(monkeypatch, dtype, parallel):
     real = kernels.bsr_mm_small_kernel()
     seen = []
 
-    def prepare(*args):
-        seen.append((args[14], args[11], args[5]))
-        return real.prepare(*args)
+    def prepare(args):
+        seen.append((args.dot, args.x_addr, args.nthreads))
+        return real.prepare(args)
 
-    spy = SimpleNamespace(prepare=prepare, run_prepared=real.run_prepared, serial=real.serial)
+    spy = SimpleNamespace(prepare=prepare, run_prepared=real.run_prepared, serial=real.serial, Args=real.Args)
     monkeypatch.setattr(kernels, "bsr_mm_small_kernel", lambda: spy)
     meta = None
     if parallel:  # (products this small run serially unless the cut-off says otherwise)

@@ -1,10 +1,10 @@
-r"""Fused CPU attention (float32 and float64): marshaling for the compiled loops of :mod:`._attention_jit`.
+r"""Fused CPU attention (float32 and float64): marshaling for the loops of :mod:`.compiled.attention`.
 
 Forward, per (batch, block row) task: ``S = scale Q_r K^T`` by MKL gemm into a worker-local buffer one
 L2-sized chunk of the row's stored blocks at a time, the bias of the *partial* blocks only, an online
 (flash-attention style) softmax with a vectorized ``exp``, and ``O_r += P V`` by gemm; it saves the rows'
 log-sum-exp instead of the weights. The backward recomputes ``P`` from it per chunk (flash-attention 2):
-five gemms per chunk, ``dQ`` per task, ``dK``/``dV`` per head in place (see :mod:`._attention_jit`).
+five gemms per chunk, ``dQ`` per task, ``dK``/``dV`` per head in place (see :mod:`.compiled.attention`).
 
 Why fused: the composed path (SDDMM, softmax, BSR product, and five products back) writes and rereads
 the ``nnz * Ms * Ns`` scores several times and keeps the weights for the backward; here they stay in the
@@ -57,7 +57,7 @@ def available() -> bool:
 
 def _loops() -> Any:
     # deferred: imports numba, loads (or compiles) the loops; off the main thread (see bsrkit.loading)
-    return import_module("bsrkit.backends.cpu._attention_jit")
+    return import_module("bsrkit.backends.cpu.compiled.attention")
 
 
 def _width(Ms: int, Ns: int, itemsize: int, nbytes: int) -> int:

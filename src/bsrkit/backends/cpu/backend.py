@@ -29,6 +29,10 @@ from bsrkit.backends.torch_ops import TorchBackend
 from bsrkit.loading import import_module
 
 if TYPE_CHECKING:
+    from bsrkit.backends.cpu.compiled.gemm import BsrMMArgs
+    from bsrkit.backends.cpu.compiled.sampled import SampledArgs
+    from bsrkit.backends.cpu.compiled.scatter import ScatterMMArgs
+    from bsrkit.backends.cpu.compiled.small import BsrMMSmallArgs
     from bsrkit.mask_bias import BlockBias
     from bsrkit.operand import Operand
 
@@ -59,10 +63,8 @@ _SMALL_N_MAX = 16
 # already uses every worker thread, so serialising calls costs little.
 _KERNEL_LOCK = threading.Lock()
 
-# Marshaled argument lists kept per plan (one per call signature; see CpuBackend.addmm).
+# Marshaled argument records kept per plan (one per call signature; see CpuBackend.addmm).
 _PREPARED_CALLS = 8
-# Where the loops take their data addresses: blocks at 6, dense at 11 (both loops), out here.
-_GEMM_OUT_AT, _SMALL_OUT_AT = 17, 15
 
 
 def _marshal_signature(
@@ -94,20 +96,21 @@ def _run_kept(
 
 
 def _keep(
-    kernel: Any, plan: plans.CpuMMPlan, signature: tuple[Any, ...], full_args: list[Any],
-    values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, out_at: int,
+    kernel: Any, plan: plans.CpuMMPlan, signature: tuple[Any, ...], full_args: Any,
+    values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor,
 ) -> Rerun:  # fmt: skip
-    """Keep ``full_args`` for :func:`_run_kept` as a call that patches in the data addresses (each
-    relative to its operand's data: the operands were passed uncopied, so their storages are the ones
-    addressed) and return it. A serial call keeps the packed block of its C entry (see
-    ``_jit._PackedEntry``), which addresses the arrays of ``full_args``: the call holds both."""
+    """Keep the prepared record ``full_args`` for :func:`_run_kept` as a call that patches in the data
+    addresses (each relative to its operand's data: the operands were passed uncopied, so their storages
+    are the ones addressed) and return it. A serial call keeps the packed block of its C entry (see
+    ``compiled.entries.PackedEntry``), which addresses the arrays of ``full_args``: the call holds both."""
     if len(plan.calls) >= _PREPARED_CALLS:
         plan.calls.clear()
-    values_at = values.data_ptr() - full_args[6]
-    dense_at = dense.data_ptr() - full_args[11]
-    out_offset = out.data_ptr() - full_args[out_at]
+    a_addr, b_addr, c_addr = kernels.data_addresses(full_args)
+    values_at = values.data_ptr() - a_addr
+    dense_at = dense.data_ptr() - b_addr
+    out_offset = out.data_ptr() - c_addr
     rerun: Rerun
-    if full_args[5] == 1:
+    if full_args.nthreads == 1:
         block = kernel.serial.pack(full_args)
         c_call, address = kernel.serial.c_call, block.ctypes.data
 
@@ -120,12 +123,17 @@ def _keep(
         rerun.keep = (block, full_args)  # type: ignore[attr-defined]  # (what the block addresses)
 
     else:
+        patch, run_prepared, nthreads = (
+            kernels.data_patcher(full_args),
+            kernel.run_prepared,
+            full_args.nthreads,
+        )
 
         def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor) -> None:
-            args = full_args.copy()  # (another thread may run the same call: patch a copy)
-            args[6], args[11] = values.data_ptr() - values_at, dense.data_ptr() - dense_at
-            args[out_at] = out.data_ptr() - out_offset
-            _run(kernel.run_prepared, args[5], args)
+            args = patch(
+                values.data_ptr() - values_at, dense.data_ptr() - dense_at, out.data_ptr() - out_offset
+            )
+            _run(run_prepared, nthreads, args)
 
     plan.calls[signature] = rerun
     return rerun
@@ -330,17 +338,20 @@ def _addmm_small(
         x_ld = x.stride(-2)
     if math.prod(batch) * a.nnz * Ms * Ks * max(N, 4) < _SERIAL_WORK:
         nthreads = 1
-    args = (
-        _KINDS[out.dtype], plan.crow, plan.col, plan.cost, bsr_batch_of(a.batch, batch), nthreads,
-        _base_address(values), _batch_offsets(values, values.ndim - 3, a.batch),
-        values.stride(-3), values.stride(-2), values.stride(-1),
-        _base_address(x), _batch_offsets(x, x.ndim - 2, batch), x_ld, dot,
-        _base_address(out), _batch_offsets(out, out.ndim - 2, batch), out.stride(-2), out.stride(-1),
-        Ms, Ks, N, width, alpha, overwrite,
+    Args: type[BsrMMSmallArgs] = kernel.Args
+    args = Args(
+        kind=_KINDS[out.dtype], crow=plan.crow, col=plan.col, cum=plan.cost,
+        bsr_of=bsr_batch_of(a.batch, batch), nthreads=nthreads,
+        a_addr=_base_address(values), a_boff=_batch_offsets(values, values.ndim - 3, a.batch),
+        a_gs=values.stride(-3), a_rs=values.stride(-2), a_cs=values.stride(-1),
+        x_addr=_base_address(x), x_boff=_batch_offsets(x, x.ndim - 2, batch), x_ld=x_ld, dot=dot,
+        c_addr=_base_address(out), c_boff=_batch_offsets(out, out.ndim - 2, batch),
+        c_rs=out.stride(-2), c_cs=out.stride(-1),
+        Ms=Ms, Ks=Ks, N=N, Wp=width, alpha=alpha, overwrite=overwrite,
     )  # fmt: skip
-    full_args = kernel.prepare(*args)
+    full_args = kernel.prepare(args)
     if x.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr():  # (dense was not copied)
-        rerun = _keep(kernel, plan, signature, full_args, values, dense, out, _SMALL_OUT_AT)
+        rerun = _keep(kernel, plan, signature, full_args, values, dense, out)
         rerun(values, dense, out)
         return rerun
     _run(kernel.run_prepared, nthreads, full_args)
@@ -432,19 +443,22 @@ class CpuBackend:
         nthreads = params["nthreads"]
         if math.prod(batch) * a.nnz * Ms * Ks * N < _SERIAL_WORK:
             nthreads = 1
-        args = (
-            _KINDS[out.dtype], plan.crow, plan.col, plan.cost, bsr_batch_of(a.batch, batch), nthreads,
-            _base_address(values), _batch_offsets(values, values.ndim - 3, a.batch), values.stride(-3),
-            a_rowmajor, lda,
-            _base_address(dense), _batch_offsets(dense, dense.ndim - 2, batch),
-            b_rowmajor, dense.stride(-2), dense.stride(-1), ldb,
-            _base_address(target), _batch_offsets(target, target.ndim - 2, batch),
-            target.stride(-2), target.stride(-1), c_rowmajor, ldc,
-            Ms, Ks, N, params["panel"], alpha, overwrite, values.element_size(), target.element_size(),
+        Args: type[BsrMMArgs] = kernel.Args
+        args = Args(
+            kind=_KINDS[out.dtype], crow=plan.crow, col=plan.col, cum=plan.cost,
+            bsr_of=bsr_batch_of(a.batch, batch), nthreads=nthreads,
+            a_addr=_base_address(values), a_boff=_batch_offsets(values, values.ndim - 3, a.batch),
+            a_gs=values.stride(-3), a_rowmajor=a_rowmajor, lda=lda,
+            b_addr=_base_address(dense), b_boff=_batch_offsets(dense, dense.ndim - 2, batch),
+            b_rowmajor=b_rowmajor, b_rs=dense.stride(-2), b_cs=dense.stride(-1), ldb=ldb,
+            c_addr=_base_address(target), c_boff=_batch_offsets(target, target.ndim - 2, batch),
+            c_rs=target.stride(-2), c_cs=target.stride(-1), c_rowmajor=c_rowmajor, ldc=ldc,
+            Ms=Ms, Ks=Ks, N=N, panel=params["panel"], alpha=alpha, overwrite=overwrite,
+            isz_ab=values.element_size(), isz_c=target.element_size(),
         )  # fmt: skip
-        full_args = kernel.prepare(*args)
+        full_args = kernel.prepare(args)
         if values is a.values and dense is original_dense and target is out:  # (no copies were needed)
-            rerun = _keep(kernel, plan, signature, full_args, values, dense, out, _GEMM_OUT_AT)
+            rerun = _keep(kernel, plan, signature, full_args, values, dense, out)
             rerun(values, dense, out)
             return rerun
         _run(kernel.run_prepared, nthreads, full_args)
@@ -473,15 +487,17 @@ class CpuBackend:
         half = mat1.dtype in (torch.float16, torch.bfloat16)
         out = torch.empty((B, nnz, Ms, Ns), dtype=torch.float32 if half else mat1.dtype)
         nthreads = 1 if B * nnz * Ms * Ns * mat1.shape[-1] < _SERIAL_WORK else params["nthreads"]
-        args = (
-            _KINDS[mat1.dtype], rows.numpy(), cols.numpy(), nthreads,
-            _base_address(mat1), _batch_offsets(mat1, mat1.ndim - 2, batch),
-            mat1.stride(-2), a_rowmajor, lda,
-            _base_address(mat2), _batch_offsets(mat2, mat2.ndim - 2, batch),
-            mat2.stride(-1), b_rowmajor, ldb,
-            out.data_ptr(), Ms, Ns, mat1.shape[-1], alpha, mat1.element_size(), out.element_size(),
+        Args: type[SampledArgs] = kernel.Args
+        args = Args(
+            kind=_KINDS[mat1.dtype], rows=rows.numpy(), cols=cols.numpy(), nthreads=nthreads,
+            a_addr=_base_address(mat1), a_boff=_batch_offsets(mat1, mat1.ndim - 2, batch),
+            a_rs=mat1.stride(-2), a_rowmajor=a_rowmajor, lda=lda,
+            b_addr=_base_address(mat2), b_boff=_batch_offsets(mat2, mat2.ndim - 2, batch),
+            b_cs=mat2.stride(-1), b_rowmajor=b_rowmajor, ldb=ldb,
+            c_addr=out.data_ptr(), Ms=Ms, Ns=Ns, K=mat1.shape[-1], alpha=alpha,
+            isz_ab=mat1.element_size(), isz_c=out.element_size(),
         )  # fmt: skip
-        _run(kernel, nthreads, *args)
+        _run(kernel, nthreads, args)
         return out.to(mat1.dtype) if half else out
 
     def scatter_mm(
@@ -544,14 +560,19 @@ class CpuBackend:
         nthreads = params["nthreads"] if plan.disjoint else 1
         if plan.pairs.shape[0] * Ms * Ks * Ns * math.prod(batch) < _SERIAL_WORK:
             nthreads = 1  # (too small to pay for starting the worker threads)
-        args = (
-            _KINDS[accumulators.dtype], plan.tiles, plan.pairs, plan.tasks, plan.cost, math.prod(batch),
-            nthreads, _base_address(blocks), blocks.stride(0), a_rowmajor, lda,
-            _base_address(others), b_boff, b_moff, others.stride(-2), others.stride(-1), b_rowmajor, ldb,
-            _base_address(target), c_boff, c_moff, target.stride(-2), target.stride(-1), c_rowmajor, ldc,
-            Ms, Ks, 1.0, overwrite, blocks.element_size(), target.element_size(),
+        Args: type[ScatterMMArgs] = kernel.Args
+        args = Args(
+            kind=_KINDS[accumulators.dtype], tiles=plan.tiles, pairs=plan.pairs, tasks=plan.tasks,
+            cum=plan.cost, nbatch=math.prod(batch), nthreads=nthreads,
+            a_addr=_base_address(blocks), a_gs=blocks.stride(0), a_rowmajor=a_rowmajor, lda=lda,
+            b_addr=_base_address(others), b_boff=b_boff, b_moff=b_moff, b_rs=others.stride(-2),
+            b_cs=others.stride(-1), b_rowmajor=b_rowmajor, ldb=ldb,
+            c_addr=_base_address(target), c_boff=c_boff, c_moff=c_moff, c_rs=target.stride(-2),
+            c_cs=target.stride(-1), c_rowmajor=c_rowmajor, ldc=ldc,
+            Ms=Ms, Ks=Ks, alpha=1.0, overwrite=overwrite,
+            isz_ab=blocks.element_size(), isz_c=target.element_size(),
         )  # fmt: skip
-        _run(kernel, nthreads, *args)
+        _run(kernel, nthreads, args)
         if target is not accumulators:
             accumulators.copy_(target)
 

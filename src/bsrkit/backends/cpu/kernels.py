@@ -18,9 +18,10 @@ Float16/bfloat16 use MKL's ``gemm_{bf16bf16,f16f16}f32``: half inputs, a float32
 accumulation. Which kinds run depends on the BLAS provider (:func:`supported_kinds`; see
 :mod:`bsrkit.backends.cpu.blas`). This module never validates tensors or caches plans (see ``bsrkit.ops``).
 
-The loops themselves are in :mod:`bsrkit.backends.cpu._jit`, compiled once per machine and cached on disk
-(numba's ``cache=True``); the BLAS addresses travel as arguments, appended by the callables returned here.
-Importing this module imports neither numba nor the BLAS.
+The loops themselves are in :mod:`bsrkit.backends.cpu.compiled`, compiled once per machine and cached on
+disk (numba's ``cache=True``). Each takes one record of its arguments (a ``NamedTuple`` beside the loop,
+``kernel.Args``), which the backend fills by name; the BLAS addresses travel as its last fields, filled in
+by the callables returned here. Importing this module imports neither numba nor the BLAS.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ from typing import Any
 import numpy as np
 
 from bsrkit.backends.cpu.blas import BLASProvider, blas_provider
+from bsrkit.backends.cpu.compiled.constants import (
+    DOT_COLUMNS,
+    DOT_NONE,
+    DOT_PAIRS,
+    KIND_BF16,
+    KIND_F16,
+    KIND_F32,
+    KIND_F64,
+)
 from bsrkit.loading import import_module, off_main_thread
 
 __all__ = [
@@ -48,6 +58,8 @@ __all__ = [
     "bsr_mm_kernel",
     "bsr_mm_small_kernel",
     "compile_cache_info",
+    "data_addresses",
+    "data_patcher",
     "sampled_kernel",
     "scatter_mm_kernel",
     "single_thread_mnk",
@@ -55,9 +67,6 @@ __all__ = [
     "threading_layer",
 ]
 
-KIND_F32, KIND_F64, KIND_BF16, KIND_F16 = 0, 1, 2, 3
-# bsr_mm_small_kernel's ``dot``: how X is laid out and read (see there).
-DOT_NONE, DOT_COLUMNS, DOT_PAIRS = 0, 1, 2
 _KIND_NAMES = {KIND_F32: "float32", KIND_F64: "float64", KIND_BF16: "bfloat16", KIND_F16: "float16"}
 
 
@@ -91,9 +100,8 @@ def supported_kinds() -> frozenset[int]:
     return frozenset((KIND_F32, KIND_F64))
 
 
-# GNU OpenMP cannot run in a process forked from one that used it; numba terminates the child. bsrkit
-# selects numba's workqueue layer instead (see _jit), unless the user chose a layer: then a product in such
-# a child raises instead of killing the process.
+# GNU OpenMP cannot run in a process forked from one that used it; numba terminates the child. There the
+# kernels run their serial twins, which never touch the threading layer (see compiled.entries).
 _forked = False
 
 
@@ -128,57 +136,100 @@ def _bind(
     name: str,
     compiled: Any,
     serial: Any,
-    threads_at: int,
+    record: type[Any],
     provider: BLASProvider,
-    nargs: int,
-    alpha_at: int,
-    arrays_at: tuple[int, ...],
-    limit_calls: Callable[[list[Any], int], Any] | None = None,
+    limit_calls: Callable[[Any, int], Any] | None = None,
 ) -> Callable[..., None]:
-    """``compiled`` with the provider's addresses appended, after checking the kind.
+    """``compiled`` taking its argument ``record``, with the provider's addresses filled in, after checking
+    the kind.
 
-    Arguments are normalised to one signature per kernel (``alpha`` a float, index arrays C-contiguous):
-    a second signature would cost a second compile, and two processes compiling *different* signatures
-    at once could mislabel each other's entries in numba's cache index. ``limit_calls(args, mnk)`` keeps
-    each gemm call at or below the provider's ``single_thread_mnk`` (when it has one): it may change the
-    argument list in place and returns the extra trailing arguments of the compiled kernel.
+    Records are normalised to one signature per kernel (``alpha`` a float, arrays C-contiguous): a second
+    signature would cost a second compile, and two processes compiling *different* signatures at once
+    could mislabel each other's entries in numba's cache index. ``limit_calls(record, mnk)`` keeps each
+    gemm call at or below the provider's ``single_thread_mnk`` (when it has one): it returns the record
+    with the fields that do so replaced.
     """
     kinds = supported_kinds()
-    addresses = (provider.sgemm, provider.dgemm, provider.gemm_bf16, provider.gemm_f16,
-                 provider.set_num_threads_local)  # fmt: skip
+    addresses = {
+        "sgemm": provider.sgemm, "dgemm": provider.dgemm, "gemm_bf16": provider.gemm_bf16,
+        "gemm_f16": provider.gemm_f16, "set_threads": provider.set_num_threads_local,
+    }  # fmt: skip
+    arrays = _array_fields(record)
 
-    def prepare(*args: Any) -> list[Any]:
-        """The compiled kernel's full argument list (checked, normalised, addresses appended), for
-        :func:`run_prepared`; a caller may then replace data addresses in a copy and run it again."""
-        if len(args) != nargs:
-            raise TypeError(f"{name}(): expected {nargs} arguments, got {len(args)}")
-        if args[0] not in kinds:
+    def prepare(args: Any) -> Any:
+        """The compiled kernel's full record (checked, normalised, addresses filled in), for
+        :func:`run_prepared`; a caller may then replace its data addresses (:func:`data_patcher`)."""
+        if not isinstance(args, record):
+            raise TypeError(f"{name}(): expected a {record.__name__}, got {type(args).__name__}")
+        if args.kind not in kinds:
             raise ValueError(
                 f"{name}(): expected a kind in {sorted(_KIND_NAMES[k] for k in kinds)} (BLAS provider "
-                f"{provider.name!r}), got {_KIND_NAMES.get(args[0], args[0])}"
+                f"{provider.name!r}), got {_KIND_NAMES.get(args.kind, args.kind)}"
             )
-        args_list = list(args)
-        args_list[alpha_at] = float(args[alpha_at])
-        for i in arrays_at:
-            if not args[i].flags.c_contiguous:
-                args_list[i] = np.ascontiguousarray(args[i])
-        extra = () if limit_calls is None else limit_calls(args_list, provider.single_thread_mnk)
-        return [*args_list, *addresses, *extra]
+        full = args._replace(alpha=float(args.alpha), **addresses, **_contiguous(args, arrays))
+        return full if limit_calls is None else limit_calls(full, provider.single_thread_mnk)
 
-    def run_prepared(full_args: list[Any]) -> None:
+    def run_prepared(full: Any) -> None:
         # One thread, or a forked child (GNU OpenMP cannot run there): the serial twin, no parallel region.
-        kernel = serial if full_args[threads_at] == 1 or _forked else compiled
-        ensure_compiled(kernel, full_args, full_args[0])  # (one signature per kind: see above)
-        kernel(*full_args)
+        kernel = serial if full.nthreads == 1 or _forked else compiled
+        ensure_compiled(kernel, full, full.kind)  # (one signature per kind: see above)
+        kernel(*full)
 
-    def run(*args: Any) -> None:
-        run_prepared(prepare(*args))
+    def run(args: Any) -> None:
+        run_prepared(prepare(args))
 
     run.__name__ = run.__qualname__ = name
     run.prepare = prepare  # type: ignore[attr-defined]
     run.run_prepared = run_prepared  # type: ignore[attr-defined]
     run.serial = serial  # type: ignore[attr-defined]
+    run.Args = record  # type: ignore[attr-defined]
     return run
+
+
+def _array_fields(record: type[Any]) -> tuple[str, ...]:
+    """The names of ``record``'s array fields (normalised to C-contiguous)."""
+    kinds = import_module("bsrkit.backends.cpu.compiled.support")
+    return tuple(
+        name
+        for name, kind in zip(record._fields, kinds.field_kinds(record), strict=True)
+        if kind in kinds.ARRAY_KINDS
+    )
+
+
+def _contiguous(args: Any, arrays: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The array fields of ``args`` that are not C-contiguous, as C-contiguous copies."""
+    return {f: np.ascontiguousarray(a) for f in arrays if not (a := getattr(args, f)).flags.c_contiguous}
+
+
+def data_patcher(full: Any) -> Callable[[int, int, int], Any]:
+    """``patch(a, b, c)``: the prepared record ``full`` with other data addresses (blocks, dense, out: its
+    :data:`~.compiled.support.Address` fields), for a kept call (the positions found once, here)."""
+    record: Any = type(full)
+    a_at, b_at, c_at = _data_fields(record)
+    values = list(full)
+    make = record._make
+
+    def patch(a: int, b: int, c: int) -> Any:
+        args = values.copy()  # (another thread may run the same call: patch a copy)
+        args[a_at], args[b_at], args[c_at] = a, b, c
+        return make(args)
+
+    return patch
+
+
+def data_addresses(full: Any) -> tuple[int, int, int]:
+    """The data addresses (blocks, dense, out) of a record."""
+    record: Any = type(full)
+    a, b, c = _data_fields(record)
+    return full[a], full[b], full[c]
+
+
+@functools.cache
+def _data_fields(record: Any) -> tuple[int, int, int]:
+    """The positions of ``record``'s three :data:`~.compiled.support.Address` fields."""
+    kinds = import_module("bsrkit.backends.cpu.compiled.support").field_kinds(record)
+    a, b, c = (i for i, kind in enumerate(kinds) if kind == "a")
+    return a, b, c
 
 
 _compiled: set[tuple[int, Any]] = set()
@@ -196,35 +247,36 @@ def ensure_compiled(dispatcher: Any, args: Sequence[Any], key: Any) -> None:
 
 
 def _loops() -> Any:
-    """:mod:`._jit`, imported at the first product (importing numba costs ~0.3 s; loading or compiling
-    the loops, seconds), off the main thread (see :mod:`bsrkit.loading`)."""
-    return import_module("bsrkit.backends.cpu._jit")
+    """The compiled loops (:mod:`.compiled.entries` and the modules it imports), imported at the first
+    product (importing numba costs ~0.3 s; loading or compiling the loops, seconds), off the main thread
+    (see :mod:`bsrkit.loading`)."""
+    return import_module("bsrkit.backends.cpu.compiled.entries")
 
 
 @functools.cache
 def bsr_mm_kernel() -> Any:  # Callable[..., None] | None
     """The kernel for ``out[b] (+)= alpha * bsr[b] @ dense[b]`` (compiled, or loaded from the on-disk
-    cache, at the first call); None when no BLAS provider exists."""
+    cache, at the first call); None when no BLAS provider exists. Takes a :class:`.compiled.gemm.BsrMMArgs`
+    (``.Args``)."""
     provider = blas_provider()
     if provider is None:
         return None
-    _jit = _loops()
+    loops = _loops()
 
-    def limit_panel(args: list[Any], mnk: int) -> tuple[()]:
+    def limit_panel(args: Any, mnk: int) -> Any:
         if mnk:  # each gemm is (Ms x panel) += (Ms x Ks) @ (Ks x panel)
-            args[26] = max(1, min(args[26], mnk // max(args[23] * args[24], 1)))
-        return ()
+            return args._replace(panel=max(1, min(args.panel, mnk // max(args.Ms * args.Ks, 1))))
+        return args
 
-    arrays_at = (1, 2, 3, 4, 7, 12, 18)
-    return _bind(
-        "bsr_mm_kernel", _jit.bsr_mm, _jit.bsr_mm_serial, 5, provider, 31, 27, arrays_at, limit_panel
-    )
+    record = import_module("bsrkit.backends.cpu.compiled.gemm").BsrMMArgs
+    return _bind("bsr_mm_kernel", loops.bsr_mm, loops.bsr_mm_serial, record, provider, limit_panel)
 
 
 @functools.cache
 def bsr_mm_small_kernel() -> Any:  # Callable[..., None] with .prepare and .run_prepared
     """The kernel for ``out[b] (+)= alpha * bsr[b] @ dense[b]`` with few columns (float32/float64): vector
     loops over each block row, no BLAS call (a gemm per block costs more to call than it computes there).
+    Takes a :class:`.compiled.small.BsrMMSmallArgs` (``.Args``).
 
     Same tasks and work split as :func:`bsr_mm_kernel` (one panel). ``dense`` arrives as ``X``, copied
     zero-padded to ``Wp`` columns where its layout is not the one read: ``dot`` = ``DOT_COLUMNS`` (``Wp`` 1,
@@ -234,34 +286,33 @@ def bsr_mm_small_kernel() -> Any:  # Callable[..., None] with .prepare and .run_
     is broadcast against a row of X. ``x_ld`` is X's leading dimension; blocks and output are read and
     written through any strides, the output only in its ``N`` columns.
     """
-    _jit = _loops()
+    loops = _loops()
+    record = import_module("bsrkit.backends.cpu.compiled.small").BsrMMSmallArgs
+    arrays = _array_fields(record)
 
-    arrays_at = (1, 2, 3, 4, 7, 12, 16)
+    def prepare(args: Any) -> Any:
+        if not isinstance(args, record):
+            raise TypeError(f"bsr_mm_small_kernel(): expected a {record.__name__}, got {type(args).__name__}")
+        return args._replace(alpha=float(args.alpha), **_contiguous(args, arrays))
 
-    def prepare(*args: Any) -> list[Any]:
-        args_list = list(args)
-        args_list[23] = float(args[23])
-        for i in arrays_at:
-            if not args[i].flags.c_contiguous:
-                args_list[i] = np.ascontiguousarray(args[i])
-        return args_list
+    def run_prepared(full: Any) -> None:
+        kernel = loops.bsr_mm_small_serial if full.nthreads == 1 or _forked else loops.bsr_mm_small
+        kernel(*full)
 
-    def run_prepared(full_args: list[Any]) -> None:
-        kernel = _jit.bsr_mm_small_serial if full_args[5] == 1 or _forked else _jit.bsr_mm_small
-        kernel(*full_args)
-
-    def run(*args: Any) -> None:
-        run_prepared(prepare(*args))
+    def run(args: Any) -> None:
+        run_prepared(prepare(args))
 
     run.prepare = prepare  # type: ignore[attr-defined]
     run.run_prepared = run_prepared  # type: ignore[attr-defined]
-    run.serial = _jit.bsr_mm_small_serial  # type: ignore[attr-defined]
+    run.serial = loops.bsr_mm_small_serial  # type: ignore[attr-defined]
+    run.Args = record  # type: ignore[attr-defined]
     return run
 
 
 @functools.cache
 def sampled_kernel() -> Any:  # Callable[..., None] | None
-    """The SDDMM kernel: ``C[b, g] = alpha * A[b, rows[g]] @ B[b, :, cols[g]]``.
+    """The SDDMM kernel: ``C[b, g] = alpha * A[b, rows[g]] @ B[b, :, cols[g]]``; takes a
+    :class:`.compiled.sampled.SampledArgs` (``.Args``).
 
     One gemm per stored block with the full inner dimension K (no gathered copies); blocks are split
     evenly over the worker threads (every block costs the same). ``C`` is ``(B, nnz, Ms, Ns)``
@@ -270,20 +321,20 @@ def sampled_kernel() -> Any:  # Callable[..., None] | None
     provider = blas_provider()
     if provider is None:
         return None
-    _jit = _loops()
+    loops = _loops()
 
-    def k_chunk(args: list[Any], mnk: int) -> tuple[int]:
-        K = args[17]  # each gemm is (Ms x Ns) (+)= (Ms x k) @ (k x Ns), over chunks k of K
-        return (max(1, min(K, mnk // max(args[15] * args[16], 1))) if mnk else max(K, 1),)
+    def k_chunk(args: Any, mnk: int) -> Any:
+        K = args.K  # each gemm is (Ms x Ns) (+)= (Ms x k) @ (k x Ns), over chunks k of K
+        return args._replace(k_chunk=max(1, min(K, mnk // max(args.Ms * args.Ns, 1))) if mnk else max(K, 1))
 
-    return _bind(
-        "sampled_kernel", _jit.sampled, _jit.sampled_serial, 3, provider, 21, 18, (1, 2, 5, 10), k_chunk
-    )
+    record = import_module("bsrkit.backends.cpu.compiled.sampled").SampledArgs
+    return _bind("sampled_kernel", loops.sampled, loops.sampled_serial, record, provider, k_chunk)
 
 
 @functools.cache
 def scatter_mm_kernel() -> Any:  # Callable[..., None] | None
-    """The ``scatter_mm`` kernel: ``C[b, tile] += alpha * sum over the tile's pairs of A[p] @ B[b, q]``.
+    """The ``scatter_mm`` kernel: ``C[b, tile] += alpha * sum over the tile's pairs of A[p] @ B[b, q]``;
+    takes a :class:`.compiled.scatter.ScatterMMArgs` (``.Args``).
 
     Driven by a :class:`bsrkit.plans.CpuScatterPlan`: ``tiles`` (T, 5) = (matrix, row, column, first
     pair, end pair) of each output tile of C; ``pairs`` (G, 4) = (block p, matrix, row, column) of B;
@@ -296,10 +347,9 @@ def scatter_mm_kernel() -> Any:  # Callable[..., None] | None
     provider = blas_provider()
     if provider is None:
         return None
-    _jit = _loops()
-
-    arrays_at = (1, 2, 3, 4, 12, 13, 19, 20)
-    return _bind("scatter_mm_kernel", _jit.scatter_mm, _jit.scatter_mm_serial, 6, provider, 31, 27, arrays_at)
+    loops = _loops()
+    record = import_module("bsrkit.backends.cpu.compiled.scatter").ScatterMMArgs
+    return _bind("scatter_mm_kernel", loops.scatter_mm, loops.scatter_mm_serial, record, provider)
 
 
 def single_thread_mnk() -> int:
@@ -311,7 +361,7 @@ def single_thread_mnk() -> int:
 def compile_cache_info() -> dict[str, dict[str, Any]]:
     """Per compiled kernel: on-disk cache ``path`` (None: compiled in memory only), ``hits`` (loaded from
     the cache) and ``misses`` (compiled) in this process. Empty before the first CPU product."""
-    jit = sys.modules.get("bsrkit.backends.cpu._jit")
+    jit = sys.modules.get("bsrkit.backends.cpu.compiled.entries")
     if jit is None:
         return {}
     info = {}

@@ -1,11 +1,10 @@
 # mypy: disable-error-code="call-arg,var-annotated"
-# (mypy reads intrinsics as taking their typing context too, and cannot type their results.)
-r"""The fused CPU attention loops (numba calling MKL gemm), cached on disk like :mod:`._jit`'s.
+# (mypy cannot type what the intrinsics return.)
+r"""The fused CPU attention loops (numba calling MKL gemm), cached on disk (see :mod:`.support`).
 
-Imported by :mod:`.attention_kernels` at the first fused attention call, never by ``import bsrkit``.
-The gemm and thread-count entry points arrive as int64 addresses and are called through
-:mod:`._jit`'s intrinsics; the cache index is stamped with a hash of this file *and* ``_jit.py``, so a
-change to either recompiles (numba itself would only watch this file).
+Imported by :mod:`bsrkit.backends.cpu.attention_kernels` at the first fused attention call, never by
+``import bsrkit``. The gemm and thread-count entry points arrive as int64 addresses and are called through
+:mod:`.intrinsics`.
 
 Both loops walk (batch, block row) tasks, each worker one contiguous run of them (``bounds``, chosen by
 the caller to balance stored blocks). A block row's stored blocks are taken in *chunks*: runs of
@@ -36,141 +35,40 @@ excluded whatever its score. The backward recomputes
 run holds all of that head's tasks; a head split between workers is accumulated in per-worker side
 buffers (``side_head[t] = (head, head)`` or -1) and summed after the parallel loop.
 
-float32 ``exp`` is a polynomial (``2**n * p(f)``, relative error 1e-7 beyond the input's rounding; the
-power of two built by bit casts) that LLVM vectorizes: 0.4 ns per element here, where libm's scalar
-``expf`` took 4.8 ns. float64 uses ``np.exp``. Row maxima use LLVM's ``maxnum``, which vectorizes
-where ``max`` does not (0.07 against 0.35 ns per element).
+float32 ``exp`` is :func:`.intrinsics.exp32` (a polynomial that LLVM vectorizes); float64 uses ``np.exp``.
+Row maxima use LLVM's ``maxnum``, which vectorizes where ``max`` does not (0.07 against 0.35 ns per element).
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-from typing import Any
-
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import errors
-from numba.extending import intrinsic
 
-from bsrkit.backends.cpu import _jit
-from bsrkit.backends.cpu._jit import KIND_F32, KIND_F64, _call_fortran_gemm, _gemm_scalars, _set_threads_local
+from bsrkit.backends.cpu.compiled.constants import FASTMATH, KIND_F32, KIND_F64
+from bsrkit.backends.cpu.compiled.intrinsics import (
+    CHAR_N,
+    CHAR_T,
+    ZERO32,
+    call_fortran_gemm,
+    exp32,
+    gemm_scalars,
+    maxnum,
+    set_threads_local,
+)
+from bsrkit.backends.cpu.compiled.support import njit
 
-# Every fast-math flag except 'nnan' and 'ninf': -inf (excluded entries) must keep its meaning.
-_FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
-_CHAR_N, _CHAR_T = 78, 84
+__all__ = ["attention_backward", "attention_forward"]
+
 _SKIP, _FULL = -2, -1  # bias_idx codes
 
-# exp(t) = 2**(t log2 e) = 2**n * 2**f with n = round(t log2 e) and |f| <= 1/2; n by adding 1.5 * 2**23 (the
-# sum's low mantissa bits are n, rounded to nearest), 2**f by a degree-5 polynomial fitted for relative error
-# on [-1/2, 1/2] (7.5e-8; Lawson's weighted least squares). Below t = -87, exp(t) < 1.7e-38 (the smallest
-# normal float32): flushed to 0, as is exp(-inf).
-_LOG2E = np.float32(1.4426950408889634)
-_P0, _P1, _P2 = np.float32(1.0000001), np.float32(0.69314694), np.float32(0.2402212)
-_P3, _P4, _P5 = np.float32(0.05550713), np.float32(0.00967554), np.float32(0.00132765)
-_ROUND = np.float32(12582912.0)  # 1.5 * 2**23
-_ROUND_BITS = np.int32(0x4B400000)  # its bit pattern: the sum's bits are _ROUND_BITS + n
-_LOWEST = np.float32(-126.0)
-_FLUSH = np.float32(-87.0)
-_ZERO = np.float32(0.0)
-# The exp's own flags: no 'reassoc', which would fold (v + _ROUND) - _ROUND into v.
-_EXP_FASTMATH = {"nsz", "arcp", "contract", "afn"}
 
-
-class _StampedCache(_jit._QuickLoadCache):
-    """:class:`._jit._QuickLoadCache`, stamped with the hash of this file and of ``_jit.py`` (whose
-    intrinsics are compiled into these loops)."""
-
-    def __init__(self, py_func: Any) -> None:
-        super().__init__(py_func)
-        digest = hashlib.sha256()
-        for path in (inspect.getfile(py_func), inspect.getfile(_jit)):
-            with open(path, "rb") as source:
-                digest.update(source.read())
-        self._cache_file._source_stamp = ("sha256", digest.hexdigest())
-
-
-def _njit(**options: Any) -> Any:
-    """``numba.njit(cache=True)`` with :class:`_StampedCache`; in memory where nothing is writable."""
-
-    def decorate(fn: Any) -> Any:
-        try:
-            dispatcher = numba.njit(cache=True, **options)(fn)
-        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-            return numba.njit(cache=False, **options)(fn)
-        dispatcher._cache = _StampedCache(dispatcher.py_func)
-        return dispatcher
-
-    return decorate
-
-
-@intrinsic
-def _float32_from_bits(typingctx, bits):
-    """The float32 whose bit pattern is the int32 ``bits`` (vectorizes, unlike a store and reload)."""
-    if not isinstance(bits, types.Integer):
-        raise errors.TypingError(f"_float32_from_bits: expected an integer, got {bits}")
-
-    def codegen(context, builder, signature, llargs):
-        value = context.cast(builder, llargs[0], signature.args[0], types.int32)
-        return builder.bitcast(value, ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _maxnum(typingctx, a, b):
-    """LLVM's ``maxnum`` (the larger of two floats of one type): unlike ``max``, a reduction over it
-    vectorizes (under the ``nnan`` flag of :func:`_row_max`)."""
-    if not isinstance(a, types.Float) or a != b:
-        raise errors.TypingError(f"_maxnum: expected two floats of one type, got {a}, {b}")
-
-    def codegen(context, builder, signature, llargs):
-        ty = context.get_value_type(signature.args[0])
-        fn = builder.module.declare_intrinsic("llvm.maxnum", [ty], ir.FunctionType(ty, [ty, ty]))
-        return builder.call(fn, llargs)
-
-    return a(a, b), codegen
-
-
-@intrinsic
-def _bits_of32(typingctx, value):
-    """The int32 bit pattern of the float32 ``value``."""
-    if value != types.float32:
-        raise errors.TypingError(f"_bits_of32: expected a float32, got {value}")
-
-    def codegen(context, builder, signature, llargs):
-        return builder.bitcast(llargs[0], ir.IntType(32))
-
-    return types.int32(value), codegen
-
-
-# Helpers are not cached themselves: their code is linked into each cached loop.
-@numba.njit(nogil=True, cache=False, fastmath=_EXP_FASTMATH)
-def _exp32(t):
-    """exp(t) for float32 t <= 0 (or -inf: 0; NaN: NaN). (float64 loops type it too, on a branch never
-    taken.)"""
-    v = np.float32(t) * _LOG2E
-    v = _LOWEST if v < _LOWEST else v  # (keeps n + 127 a valid exponent; NaN passes, and gives NaN)
-    rounded = v + _ROUND
-    f = v - (rounded - _ROUND)
-    p = _P5 * f + _P4
-    p = p * f + _P3
-    p = p * f + _P2
-    p = p * f + _P1
-    p = p * f + _P0
-    two_n = _float32_from_bits((_bits_of32(rounded) - _ROUND_BITS + np.int32(127)) << np.int32(23))
-    return _ZERO if t < _FLUSH else p * two_n
-
-
-@numba.njit(nogil=True, cache=False, fastmath=_FASTMATH | {"nnan"})
+@numba.njit(nogil=True, cache=False, fastmath=FASTMATH | {"nnan"})
 def _row_max(row):
     """max(row), row nonempty (-inf only if every entry is -inf; NaN entries are passed over, they reach
     the output through the exponentials). Loops index from 0 so that LLVM knows the index >= 0."""
     mx = row[0]
     for j in range(row.shape[0]):
-        mx = _maxnum(mx, row[j])
+        mx = maxnum(mx, row[j])
     return mx
 
 
@@ -187,7 +85,7 @@ def _gemm(fn, scratch, ta, tb, m, n, k, p_alpha, a, lda, b, ldb, p_beta, c, ldc)
     scratch[6] = ta  # little-endian: the first byte is the character
     scratch[7] = tb
     p = scratch.ctypes.data
-    _call_fortran_gemm(fn, p + 24, p + 28, p, p + 4, p + 8, p_alpha, a, p + 12, b, p + 16, p_beta, c, p + 20)
+    call_fortran_gemm(fn, p + 24, p + 28, p, p + 4, p + 8, p_alpha, a, p + 12, b, p + 16, p_beta, c, p + 20)
 
 
 @numba.njit(nogil=True, cache=False)
@@ -202,7 +100,7 @@ def _chunk_end(col, bias_idx, b, bm, g, g1, Ns, width):
     return g + (e - g + nchunks - 1) // nchunks
 
 
-@numba.njit(nogil=True, cache=False, fastmath=_FASTMATH)
+@numba.njit(nogil=True, cache=False, fastmath=FASTMATH)
 def _add_bias(buf, w, bias_idx, bias, bm, g, e, Ms, Ns):
     """Add the partial blocks' bias to the chunk's scores (``Ms x w``, row-major)."""
     for gg in range(g, e):
@@ -216,7 +114,7 @@ def _add_bias(buf, w, bias_idx, bias, bm, g, e, Ms, Ns):
                     row[j] = c if c == -np.inf else row[j] + c  # (excluded stays excluded, NaN or not)
 
 
-@numba.njit(nogil=True, cache=False, fastmath=_FASTMATH)
+@numba.njit(nogil=True, cache=False, fastmath=FASTMATH)
 def _add_bias_transposed(buf, w, bias_idx, bias, bm, g, e, Ms, Ns):
     """Add the partial blocks' bias to the chunk's transposed scores (``w x Ms``, row-major)."""
     for gg in range(g, e):
@@ -230,7 +128,7 @@ def _add_bias_transposed(buf, w, bias_idx, bias, bm, g, e, Ms, Ns):
                     row[i] = c if c == -np.inf else row[i] + c
 
 
-@_njit(parallel=True, nogil=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, fastmath=FASTMATH)
 def attention_forward(
     crow, col, bias_idx, bias, bias_of,
     q, k, v, out, lse,
@@ -249,9 +147,9 @@ def attention_forward(
     for t in numba.prange(nthreads):
         scratch = np.zeros(8, np.int32)
         # scale, 0, 1 and the BLAS thread count by pointer, in one buffer kept alive by the restore below
-        state, p_state, p_scale, rsize, _ = _gemm_scalars(KIND_F64 if f64 else KIND_F32, scale, False, True,
-                                                          True, 0, 0, 0, 0)  # fmt: skip
-        old_threads = _set_threads_local(set_threads, p_state + 28)
+        state, p_state, p_scale, rsize, _ = gemm_scalars(KIND_F64 if f64 else KIND_F32, scale, False, True,
+                                                         True, 0, 0, 0, 0)  # fmt: skip
+        old_threads = set_threads_local(set_threads, p_state + 28)
         p_zero = p_scale + rsize
         p_one = p_scale + 2 * rsize
         buf = np.empty(Ms * width, q.dtype)
@@ -278,7 +176,7 @@ def attention_forward(
                 c0 = col[b, g] * Ns
                 # S (Ms x w, row-major) = scale Q_r K_chunk^T: column-major S^T = K_chunk Q_r^T.
                 k_ptr = k.ctypes.data + (b * S + c0) * E * isz
-                _gemm(gemm, scratch, _CHAR_T, _CHAR_N, w, Ms, E, p_scale, k_ptr, E, q_ptr, E,
+                _gemm(gemm, scratch, CHAR_T, CHAR_N, w, Ms, E, p_scale, k_ptr, E, q_ptr, E,
                       p_zero, buf.ctypes.data, w)  # fmt: skip
                 _add_bias(buf, w, bias_idx, bias, bm, g, e, Ms, Ns)
                 for i in range(Ms):
@@ -298,7 +196,7 @@ def attention_forward(
                             s += p
                     else:
                         for j in range(w):
-                            p = _exp32(row[j] - m_new)
+                            p = exp32(row[j] - m_new)
                             row[j] = p
                             s += p
                     alpha = np.exp(m[i] - m_new)  # 0 while the row had nothing
@@ -308,7 +206,7 @@ def attention_forward(
                         for j in range(Ev):
                             o[i, j] *= alpha
                 # O_r (+)= P V_chunk: column-major O^T = V_chunk^T P^T.
-                _gemm(gemm, scratch, _CHAR_N, _CHAR_N, Ev, Ms, w, p_one,
+                _gemm(gemm, scratch, CHAR_N, CHAR_N, Ev, Ms, w, p_one,
                       v.ctypes.data + (b * S + c0) * Ev * isz, Ev, buf.ctypes.data, w,
                       p_zero if first else p_one, o_ptr, Ev)  # fmt: skip
                 first = False
@@ -324,10 +222,10 @@ def attention_forward(
                     lse[b, r * Ms + i] = m[i] + np.log(ell[i])
         state[7] = old_threads
         if set_threads != 0:
-            _set_threads_local(set_threads, p_state + 28)
+            set_threads_local(set_threads, p_state + 28)
 
 
-@_njit(parallel=True, nogil=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, fastmath=FASTMATH)
 def attention_backward(
     crow, col, bias_idx, bias, bias_of,
     q, k, v, out, dout, lse, dq, dk, dv, side_k, side_v, side_head,
@@ -346,9 +244,9 @@ def attention_backward(
     for t in numba.prange(nthreads):
         scratch = np.zeros(8, np.int32)
         # scale, 0, 1 and the BLAS thread count by pointer, in one buffer kept alive by the restore below
-        state, p_state, p_scale, rsize, _ = _gemm_scalars(KIND_F64 if f64 else KIND_F32, scale, False, True,
-                                                          True, 0, 0, 0, 0)  # fmt: skip
-        old_threads = _set_threads_local(set_threads, p_state + 28)
+        state, p_state, p_scale, rsize, _ = gemm_scalars(KIND_F64 if f64 else KIND_F32, scale, False, True,
+                                                         True, 0, 0, 0, 0)  # fmt: skip
+        old_threads = set_threads_local(set_threads, p_state + 28)
         p_zero = p_scale + rsize
         p_one = p_scale + 2 * rsize
         pbuf = np.empty(Ms * width, q.dtype)
@@ -400,7 +298,7 @@ def attention_backward(
                 # The backward keeps the chunk transposed (w x Ms, row-major: column-major Ms x w), where
                 # three of its four products are NN gemms (dV, dK; dQ is NT) and nothing needs rows.
                 # S^T = scale K_chunk Q_r^T, then P^T = exp(S^T - lse) in place.
-                _gemm(gemm, scratch, _CHAR_T, _CHAR_N, Ms, w, E, p_scale, q_ptr, E, k_ptr, E,
+                _gemm(gemm, scratch, CHAR_T, CHAR_N, Ms, w, E, p_scale, q_ptr, E, k_ptr, E,
                       p_zero, pbuf.ctypes.data, Ms)  # fmt: skip
                 _add_bias_transposed(pbuf, w, bias_idx, bias, bm, g, e, Ms, Ns)
                 for jj in range(w):
@@ -410,12 +308,12 @@ def attention_backward(
                             row[i] = np.exp(row[i] - shift[i])
                     else:
                         for i in range(Ms):
-                            row[i] = _exp32(min(row[i] - shift[i], _ZERO))  # (rounding: a hair above 0)
+                            row[i] = exp32(min(row[i] - shift[i], ZERO32))  # (rounding: a hair above 0)
                 # dV_chunk += P^T dO_r: column-major dV^T = dO_r^T P.
-                _gemm(gemm, scratch, _CHAR_N, _CHAR_N, Ev, w, Ms, p_one, do_ptr, Ev, pbuf.ctypes.data, Ms,
+                _gemm(gemm, scratch, CHAR_N, CHAR_N, Ev, w, Ms, p_one, do_ptr, Ev, pbuf.ctypes.data, Ms,
                       p_one, v_acc + c0 * Ev * isz, Ev)  # fmt: skip
                 # dP^T = V_chunk dO_r^T (as S^T), then dS^T = P^T (dP^T - D) in place.
-                _gemm(gemm, scratch, _CHAR_T, _CHAR_N, Ms, w, Ev, p_one, do_ptr, Ev, v_ptr, Ev,
+                _gemm(gemm, scratch, CHAR_T, CHAR_N, Ms, w, Ev, p_one, do_ptr, Ev, v_ptr, Ev,
                       p_zero, dbuf.ctypes.data, Ms)  # fmt: skip
                 for jj in range(w):
                     p_row = pbuf[jj * Ms : (jj + 1) * Ms]
@@ -424,9 +322,9 @@ def attention_backward(
                         ds_row[i] = p_row[i] * (ds_row[i] - delta[i])
                 # dQ_r (+)= scale dS K_chunk: column-major dQ^T = K_chunk^T dS^T (NT);
                 # dK_chunk += scale dS^T Q_r: column-major dK^T = Q_r^T dS (NN).
-                _gemm(gemm, scratch, _CHAR_N, _CHAR_T, E, Ms, w, p_scale, k_ptr, E, dbuf.ctypes.data, Ms,
+                _gemm(gemm, scratch, CHAR_N, CHAR_T, E, Ms, w, p_scale, k_ptr, E, dbuf.ctypes.data, Ms,
                       p_zero if first else p_one, dq_ptr, E)  # fmt: skip
-                _gemm(gemm, scratch, _CHAR_N, _CHAR_N, E, w, Ms, p_scale, q_ptr, E, dbuf.ctypes.data, Ms,
+                _gemm(gemm, scratch, CHAR_N, CHAR_N, E, w, Ms, p_scale, q_ptr, E, dbuf.ctypes.data, Ms,
                       p_one, k_acc + c0 * E * isz, E)  # fmt: skip
                 first = False
                 g = e
@@ -434,7 +332,7 @@ def attention_backward(
                 dq[b, r * Ms : (r + 1) * Ms] = 0.0
         state[7] = old_threads
         if set_threads != 0:
-            _set_threads_local(set_threads, p_state + 28)
+            set_threads_local(set_threads, p_state + 28)
     # Heads split between workers: the sum of their side buffers.
     for t in range(nthreads):
         for slot in range(2):

@@ -1,0 +1,424 @@
+# mypy: disable-error-code="call-arg,var-annotated"
+# (mypy cannot type what the intrinsics return.)
+"""bsr @ dense for few columns (N <= 16): vector loops over each block row, no BLAS call.
+
+See :func:`bsrkit.backends.cpu.kernels.bsr_mm_small_kernel` for the arguments' meaning; the vector type
+is :mod:`.vector`'s. Same tasks and work split as :mod:`.gemm` (one panel).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numba
+import numpy as np
+
+from bsrkit.backends.cpu.compiled.constants import DOT_PAIRS, KIND_F64
+from bsrkit.backends.cpu.compiled.intrinsics import task_bound, typed_pointer
+from bsrkit.backends.cpu.compiled.support import (
+    Address,
+    Bool,
+    Float,
+    Floats2,
+    Int,
+    Ints1,
+    Ints2,
+    check_fields,
+    njit,
+)
+from bsrkit.backends.cpu.compiled.vector import (
+    vfma,
+    vlane,
+    vload,
+    vload_pairs,
+    vmul,
+    vsplat,
+    vstore,
+    vsum,
+    vwidth,
+    vzero,
+)
+
+__all__ = ["BsrMMSmallArgs", "bsr_mm_small"]
+
+# Each helper computes one block row of one batch. A: the block values (element a0 + g * a_gs + i * a_rs
+# + k * a_cs of block g); X: the dense columns, copied (zero-padded) into the layout the helper reads; C:
+# the output tile (element c0 + i * c_rs + j * c_cs), written (overwrite) or added to, times alpha.
+
+
+@numba.njit(nogil=True, cache=False)
+def _store(C, cp, alpha, overwrite, s):
+    if overwrite:
+        C[cp] = alpha * s
+    else:
+        C[cp] += alpha * s
+
+
+@numba.njit(nogil=True, cache=False)
+def _zero_row(C, c0, c_rs, c_cs, Ms, N, zero):
+    for i in range(Ms):
+        for j in range(N):
+            C[c0 + i * c_rs + j * c_cs] = zero
+
+
+@numba.njit(nogil=True, cache=False)
+def _x_columns(X, xb, k, x_ld, pairs, Wp):
+    """X's vectors at step ``k`` of a block starting at ``xb``: columns 0 and 1 (column 0 twice when
+    ``Wp == 1``), from ``(Wp, K)`` rows ``x_ld`` apart, or from row-major ``(K, 2)`` pairs."""
+    if pairs:
+        return vload_pairs(X, xb + 2 * k)
+    x0v = vload(X, xb + k)
+    return x0v, (vload(X, xb + x_ld + k) if Wp == 2 else x0v)
+
+
+@numba.njit(nogil=True, cache=False)
+def _dot_rows_in_registers(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N,
+                           Wp, L, alpha, overwrite, zero):  # fmt: skip
+    """:func:`_dot_row` for Wp = 1 or 2, rows outermost: four rows' partial sums (4 or 8 vectors) stay in
+    registers across all the row's blocks and are stored once. (Blocks outermost, as for Wp = 4, spills
+    and reloads every partial sum once per block: a third of the loads at bs 16.) The row's part of X
+    (blocks x Ks x Wp) is re-read per group of four rows, from L1. ``pairs``: X is the row-major ``(K, 2)``
+    dense operand itself (``x_ld`` unused), each step's two columns taken from one load by shuffles."""
+    vz = vzero(zero)
+    i = 0
+    while i + 4 <= Ms:
+        p00 = p10 = p20 = p30 = p01 = p11 = p21 = p31 = vz
+        for g in range(g0, g1):
+            r = a0 + g * a_gs + i * a_rs
+            xb = x0 + cols[g] * Ks * (2 if pairs else 1)
+            for k in range(0, Ks, L):
+                x0v, x1v = _x_columns(X, xb, k, x_ld, pairs, Wp)
+                a0v = vload(A, r + k)
+                a1v = vload(A, r + a_rs + k)
+                a2v = vload(A, r + 2 * a_rs + k)
+                a3v = vload(A, r + 3 * a_rs + k)
+                p00 = vfma(a0v, x0v, p00)
+                p10 = vfma(a1v, x0v, p10)
+                p20 = vfma(a2v, x0v, p20)
+                p30 = vfma(a3v, x0v, p30)
+                if Wp == 2:
+                    p01 = vfma(a0v, x1v, p01)
+                    p11 = vfma(a1v, x1v, p11)
+                    p21 = vfma(a2v, x1v, p21)
+                    p31 = vfma(a3v, x1v, p31)
+        c = c0 + i * c_rs
+        _store(C, c, alpha, overwrite, vsum(p00))
+        _store(C, c + c_rs, alpha, overwrite, vsum(p10))
+        _store(C, c + 2 * c_rs, alpha, overwrite, vsum(p20))
+        _store(C, c + 3 * c_rs, alpha, overwrite, vsum(p30))
+        if N == 2:
+            _store(C, c + c_cs, alpha, overwrite, vsum(p01))
+            _store(C, c + c_rs + c_cs, alpha, overwrite, vsum(p11))
+            _store(C, c + 2 * c_rs + c_cs, alpha, overwrite, vsum(p21))
+            _store(C, c + 3 * c_rs + c_cs, alpha, overwrite, vsum(p31))
+        i += 4
+    while i < Ms:  # the last Ms % 4 rows, one at a time
+        p00 = p01 = vz
+        for g in range(g0, g1):
+            r = a0 + g * a_gs + i * a_rs
+            xb = x0 + cols[g] * Ks * (2 if pairs else 1)
+            for k in range(0, Ks, L):
+                x0v, x1v = _x_columns(X, xb, k, x_ld, pairs, Wp)
+                a0v = vload(A, r + k)
+                p00 = vfma(a0v, x0v, p00)
+                if Wp == 2:
+                    p01 = vfma(a0v, x1v, p01)
+        c = c0 + i * c_rs
+        _store(C, c, alpha, overwrite, vsum(p00))
+        if N == 2:
+            _store(C, c + c_cs, alpha, overwrite, vsum(p01))
+        i += 1
+
+
+@numba.njit(nogil=True, cache=False)
+def _dot_row(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N, Wp, L, alpha,
+             overwrite, V, zero):  # fmt: skip
+    """Wp = 1, 2 or 4 columns of X (column j at ``x0 + j * x_ld``, contiguous along k): dot products along k
+    of the blocks' rows (``a_cs == 1``, Ks a multiple of the L lanes) with X's columns, kept as vector
+    partial sums in ``V`` (Ms * Wp vectors) over the row's blocks, summed across lanes at the end."""
+    if Wp <= 2:
+        _dot_rows_in_registers(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks,
+                               N, Wp, L, alpha, overwrite, zero)  # fmt: skip
+        return
+    vz = vzero(zero)
+    for e in range(0, Ms * Wp * L, L):
+        vstore(V, e, vz)
+    for g in range(g0, g1):
+        ab = a0 + g * a_gs
+        xb = x0 + cols[g] * Ks
+        if Wp == 1:
+            i = 0
+            while i + 4 <= Ms:  # four rows at once: four independent sums
+                r = ab + i * a_rs
+                p0 = vload(V, i * L)
+                p1 = vload(V, (i + 1) * L)
+                p2 = vload(V, (i + 2) * L)
+                p3 = vload(V, (i + 3) * L)
+                for k in range(0, Ks, L):
+                    x = vload(X, xb + k)
+                    p0 = vfma(vload(A, r + k), x, p0)
+                    p1 = vfma(vload(A, r + a_rs + k), x, p1)
+                    p2 = vfma(vload(A, r + 2 * a_rs + k), x, p2)
+                    p3 = vfma(vload(A, r + 3 * a_rs + k), x, p3)
+                vstore(V, i * L, p0)
+                vstore(V, (i + 1) * L, p1)
+                vstore(V, (i + 2) * L, p2)
+                vstore(V, (i + 3) * L, p3)
+                i += 4
+            while i < Ms:
+                r = ab + i * a_rs
+                p0 = vload(V, i * L)
+                for k in range(0, Ks, L):
+                    p0 = vfma(vload(A, r + k), vload(X, xb + k), p0)
+                vstore(V, i * L, p0)
+                i += 1
+        elif Wp == 2:
+            i = 0
+            while i + 2 <= Ms:  # two rows by two columns: four independent sums, each load used twice
+                r = ab + i * a_rs
+                v = i * 2 * L
+                p00 = vload(V, v)
+                p01 = vload(V, v + L)
+                p10 = vload(V, v + 2 * L)
+                p11 = vload(V, v + 3 * L)
+                for k in range(0, Ks, L):
+                    xv0 = vload(X, xb + k)
+                    xv1 = vload(X, xb + x_ld + k)
+                    av0 = vload(A, r + k)
+                    av1 = vload(A, r + a_rs + k)
+                    p00 = vfma(av0, xv0, p00)
+                    p01 = vfma(av0, xv1, p01)
+                    p10 = vfma(av1, xv0, p10)
+                    p11 = vfma(av1, xv1, p11)
+                vstore(V, v, p00)
+                vstore(V, v + L, p01)
+                vstore(V, v + 2 * L, p10)
+                vstore(V, v + 3 * L, p11)
+                i += 2
+            if i < Ms:
+                r = ab + i * a_rs
+                v = i * 2 * L
+                p00 = vload(V, v)
+                p01 = vload(V, v + L)
+                for k in range(0, Ks, L):
+                    av0 = vload(A, r + k)
+                    p00 = vfma(av0, vload(X, xb + k), p00)
+                    p01 = vfma(av0, vload(X, xb + x_ld + k), p01)
+                vstore(V, v, p00)
+                vstore(V, v + L, p01)
+        else:
+            for i in range(Ms):
+                r = ab + i * a_rs
+                v = i * 4 * L
+                p0 = vload(V, v)
+                p1 = vload(V, v + L)
+                p2 = vload(V, v + 2 * L)
+                p3 = vload(V, v + 3 * L)
+                for k in range(0, Ks, L):
+                    a = vload(A, r + k)
+                    p0 = vfma(a, vload(X, xb + k), p0)
+                    p1 = vfma(a, vload(X, xb + x_ld + k), p1)
+                    p2 = vfma(a, vload(X, xb + 2 * x_ld + k), p2)
+                    p3 = vfma(a, vload(X, xb + 3 * x_ld + k), p3)
+                vstore(V, v, p0)
+                vstore(V, v + L, p1)
+                vstore(V, v + 2 * L, p2)
+                vstore(V, v + 3 * L, p3)
+    for i in range(Ms):
+        for j in range(N):
+            _store(C, c0 + i * c_rs + j * c_cs, alpha, overwrite, vsum(vload(V, (i * Wp + j) * L)))
+
+
+@numba.njit(nogil=True, cache=False)
+def _store_lanes(C, cp, c_cs, n, alpha, overwrite, v):
+    """The first ``n`` lanes of ``alpha * v`` into (or added to) ``C[cp + j * c_cs]``."""
+    if n == vwidth(v) and c_cs == 1:  # a whole vector into a contiguous row: one store
+        a = vsplat(alpha)
+        vstore(C, cp, vmul(a, v) if overwrite else vfma(a, v, vload(C, cp)))
+        return
+    for j in range(n):
+        _store(C, cp + j * c_cs, alpha, overwrite, vlane(v, j))
+
+
+@numba.njit(nogil=True, cache=False)
+def _axpy_row(A, a0, a_gs, a_rs, a_cs, X, x0, x_ld, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N, Wp, L,
+              alpha, overwrite, V, zero):  # fmt: skip
+    """X is (K, Wp) (row k at ``x0 + k * x_ld``, contiguous along its Wp columns, Wp a multiple of L):
+    ``acc[i, :] += A[i, k] * X[k, :]`` with one element of A broadcast to all lanes. Block by block (A
+    is read in order, the block's rows of X stay in cache), four output rows times 2L (else L) columns
+    at a time in registers; the row's sums in ``V`` (Ms * Wp elements) between blocks."""
+    vz = vzero(zero)
+    for e in range(0, Ms * Wp, L):
+        vstore(V, e, vz)
+    for g in range(g0, g1):
+        ab = a0 + g * a_gs
+        xb = x0 + cols[g] * Ks * x_ld
+        j0 = 0
+        while j0 < Wp:
+            two = j0 + 2 * L <= Wp
+            i = 0
+            while i + 4 <= Ms:
+                v = i * Wp + j0
+                r = ab + i * a_rs
+                if two:
+                    c00 = vload(V, v)
+                    c01 = vload(V, v + L)
+                    c10 = vload(V, v + Wp)
+                    c11 = vload(V, v + Wp + L)
+                    c20 = vload(V, v + 2 * Wp)
+                    c21 = vload(V, v + 2 * Wp + L)
+                    c30 = vload(V, v + 3 * Wp)
+                    c31 = vload(V, v + 3 * Wp + L)
+                    for k in range(Ks):
+                        xk = xb + k * x_ld + j0
+                        x0v = vload(X, xk)
+                        x1v = vload(X, xk + L)
+                        ak = r + k * a_cs
+                        a = vsplat(A[ak])
+                        c00 = vfma(a, x0v, c00)
+                        c01 = vfma(a, x1v, c01)
+                        a = vsplat(A[ak + a_rs])
+                        c10 = vfma(a, x0v, c10)
+                        c11 = vfma(a, x1v, c11)
+                        a = vsplat(A[ak + 2 * a_rs])
+                        c20 = vfma(a, x0v, c20)
+                        c21 = vfma(a, x1v, c21)
+                        a = vsplat(A[ak + 3 * a_rs])
+                        c30 = vfma(a, x0v, c30)
+                        c31 = vfma(a, x1v, c31)
+                    vstore(V, v, c00)
+                    vstore(V, v + L, c01)
+                    vstore(V, v + Wp, c10)
+                    vstore(V, v + Wp + L, c11)
+                    vstore(V, v + 2 * Wp, c20)
+                    vstore(V, v + 2 * Wp + L, c21)
+                    vstore(V, v + 3 * Wp, c30)
+                    vstore(V, v + 3 * Wp + L, c31)
+                else:
+                    c00 = vload(V, v)
+                    c10 = vload(V, v + Wp)
+                    c20 = vload(V, v + 2 * Wp)
+                    c30 = vload(V, v + 3 * Wp)
+                    for k in range(Ks):
+                        x0v = vload(X, xb + k * x_ld + j0)
+                        ak = r + k * a_cs
+                        c00 = vfma(vsplat(A[ak]), x0v, c00)
+                        c10 = vfma(vsplat(A[ak + a_rs]), x0v, c10)
+                        c20 = vfma(vsplat(A[ak + 2 * a_rs]), x0v, c20)
+                        c30 = vfma(vsplat(A[ak + 3 * a_rs]), x0v, c30)
+                    vstore(V, v, c00)
+                    vstore(V, v + Wp, c10)
+                    vstore(V, v + 2 * Wp, c20)
+                    vstore(V, v + 3 * Wp, c30)
+                i += 4
+            while i < Ms:  # the last Ms % 4 rows, one at a time
+                v = i * Wp + j0
+                r = ab + i * a_rs
+                c00 = vload(V, v)
+                for k in range(Ks):
+                    c00 = vfma(vsplat(A[r + k * a_cs]), vload(X, xb + k * x_ld + j0), c00)
+                vstore(V, v, c00)
+                if two:
+                    c01 = vload(V, v + L)
+                    for k in range(Ks):
+                        c01 = vfma(vsplat(A[r + k * a_cs]), vload(X, xb + k * x_ld + j0 + L), c01)
+                    vstore(V, v + L, c01)
+                i += 1
+            j0 += 2 * L if two else L
+    for i in range(Ms):
+        for j0 in range(0, N, L):
+            n = min(L, N - j0)  # (padded columns are computed, never stored)
+            _store_lanes(C, c0 + i * c_rs + j0 * c_cs, c_cs, n, alpha, overwrite, vload(V, i * Wp + j0))
+
+
+@numba.njit(nogil=True, cache=False)
+def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows,
+               a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
+               c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite):  # fmt: skip
+    """Worker ``t``'s run of (batch, block row) tasks, in the float type of ``zero`` (L lanes)."""
+    A = typed_pointer(a_addr, zero)
+    X = typed_pointer(x_addr, zero)
+    C = typed_pointer(c_addr, zero)
+    scratch = np.full(max(Ms * max(4 * L, Wp), 1), zero)  # the row's partial sums
+    V = typed_pointer(scratch.ctypes.data, zero)
+    b, i = task_bound(t, nthreads, bstart, cum, bsr_of, rows, rows)
+    b_end, i_end = task_bound(t + 1, nthreads, bstart, cum, bsr_of, rows, rows)
+    while b < b_end or (b == b_end and i < i_end):
+        bb = bsr_of[b]
+        g0 = crow[bb, i]
+        g1 = crow[bb, i + 1]
+        c0 = c_boff[b] + i * Ms * c_rs
+        if g0 == g1:
+            if overwrite:
+                _zero_row(C, c0, c_rs, c_cs, Ms, N, zero)
+        elif dot:
+            _dot_row(A, a_boff[bb], a_gs, a_rs, X, x_boff[b], x_ld, dot == DOT_PAIRS, col[bb], g0, g1, C, c0,
+                     c_rs, c_cs, Ms, Ks, N, Wp, L, alpha, overwrite, V, zero)  # fmt: skip
+        else:
+            _axpy_row(A, a_boff[bb], a_gs, a_rs, a_cs, X, x_boff[b], x_ld, col[bb], g0, g1, C, c0, c_rs,
+                      c_cs, Ms, Ks, N, Wp, L, alpha, overwrite, V, zero)  # fmt: skip
+        i += 1
+        if i == rows:
+            b += 1
+            i = 0
+
+
+@njit(parallel=True, nogil=True)
+def bsr_mm_small(
+    kind, crow, col, cum, bsr_of, nthreads,
+    a_addr, a_boff, a_gs, a_rs, a_cs,
+    x_addr, x_boff, x_ld, dot,
+    c_addr, c_boff, c_rs, c_cs,
+    Ms, Ks, N, Wp, alpha, overwrite,
+):  # fmt: skip
+    """See :func:`bsrkit.backends.cpu.kernels.bsr_mm_small_kernel`: float32 (kind 0) or float64 (1)."""
+    nbatch = bsr_of.shape[0]
+    rows = crow.shape[1] - 1
+    if rows == 0:
+        return
+    bstart = np.empty(nbatch + 1, np.float64)  # cost before each batch's first task
+    bstart[0] = 0.0
+    for b in range(nbatch):
+        bstart[b + 1] = bstart[b] + cum[bsr_of[b], rows]
+    for t in numba.prange(nthreads):
+        if kind == KIND_F64:
+            _small_run(np.float64(0), 4, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows,
+                       a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
+                       c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite)  # fmt: skip
+        else:
+            _small_run(np.float32(0), 8, np.float32(alpha), t, nthreads, bstart, crow, col, cum, bsr_of,
+                       rows, a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
+                       c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite)  # fmt: skip
+
+
+class BsrMMSmallArgs(NamedTuple):
+    """:func:`bsr_mm_small`'s arguments, in order (the one place that order is written)."""
+
+    kind: Int  # KIND_F32 or KIND_F64
+    crow: Ints2  # the plan's (batches, rows + 1) row pointers
+    col: Ints2
+    cum: Floats2  # the rows' cost prefix sums
+    bsr_of: Ints1  # the bsr batch of each output batch
+    nthreads: Int
+    a_addr: Address  # blocks: element a_boff[b] + g * a_gs + i * a_rs + k * a_cs
+    a_boff: Ints1
+    a_gs: Int
+    a_rs: Int
+    a_cs: Int
+    x_addr: Address  # X: the dense columns in the layout ``dot`` reads
+    x_boff: Ints1
+    x_ld: Int
+    dot: Int  # a DOT_* mode
+    c_addr: Address  # out: element c_boff[b] + i * c_rs + j * c_cs
+    c_boff: Ints1
+    c_rs: Int
+    c_cs: Int
+    Ms: Int
+    Ks: Int
+    N: Int
+    Wp: Int
+    alpha: Float
+    overwrite: Bool
+
+
+check_fields(BsrMMSmallArgs, bsr_mm_small)
