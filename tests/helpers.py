@@ -8,17 +8,99 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
+import bsrkit
 from bsrkit.reference import tolerances
 
-__all__ = ["DTYPES", "assert_close", "random_bsr", "run_python", "tolerances"]
+__all__ = [
+    "BACKEND_NAMES",
+    "CPU_PATHS",
+    "DTYPES",
+    "PRODUCT_PATHS",
+    "ProductPath",
+    "assert_close",
+    "backends",
+    "product_paths",
+    "random_bsr",
+    "run_python",
+    "tolerances",
+]
 
 SRC = Path(__file__).parents[1] / "src"
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+# -- the backends and product paths the tests run on ------------------------------------------------------
+
+BACKEND_NAMES = ("cpu", "torch", "triton")  # the values of $BSRKIT_BACKEND
+
+
+def backends(*names: str) -> list:
+    """``pytest.param``s for the ``backend`` fixture (tests/conftest.py): every backend, or the ones named
+    (for ``@pytest.mark.parametrize("backend", backends("cpu", "torch"), indirect=True)``)."""
+    return [pytest.param(n, marks=pytest.mark.triton) if n == "triton" else n for n in names or BACKEND_NAMES]
+
+
+@dataclass(frozen=True)
+class ProductPath:
+    """One way a product runs: the backend forced through $BSRKIT_BACKEND and, on the CPU backend, the
+    ``meta`` that picks its loops (``small_n``: the vector loops, or a gemm per block). ``mm``, ``addmm``
+    and ``transposed_mm`` are the public ops with that ``meta`` merged into the call's own."""
+
+    name: str
+    backend: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    # Triton's interpreter computes tl.dot wrongly in bfloat16 (measured: error 1e10 on a 5x7 @ 7x3
+    # product, triton 3.9); on a GPU it is a supported dtype of the same kernels.
+    skip_dtypes: tuple[torch.dtype, ...] = ()
+
+    def _meta(self, meta: dict[str, Any] | None) -> dict[str, Any] | None:
+        merged = {**self.meta, **(meta or {})}
+        return merged or None
+
+    def mm(self, bsr: torch.Tensor, dense: torch.Tensor, *, meta=None, **kwargs) -> torch.Tensor:
+        return bsrkit.bsr_dense_mm(bsr, dense, meta=self._meta(meta), **kwargs)
+
+    def addmm(self, input, bsr, dense, *, meta=None, **kwargs) -> torch.Tensor:
+        return bsrkit.bsr_dense_addmm(input, bsr, dense, meta=self._meta(meta), **kwargs)
+
+    def transposed_mm(self, bsr: torch.Tensor, dense: torch.Tensor, *, meta=None, **kwargs) -> torch.Tensor:
+        return bsrkit.bsr_transposed_dense_mm(bsr, dense, meta=self._meta(meta), **kwargs)
+
+    def skip_unsupported(self, dtype: torch.dtype) -> None:
+        if dtype in self.skip_dtypes:
+            pytest.skip(f"{self.name}: no correct {dtype} products here")
+
+
+PRODUCT_PATHS = {
+    p.name: p
+    for p in (
+        ProductPath("cpu-gemm", "cpu", {"small_n": False}),
+        ProductPath("cpu-small-n", "cpu", {"small_n": True}),
+        ProductPath("torch", "torch"),
+        ProductPath("triton", "triton", skip_dtypes=(torch.bfloat16,)),
+    )
+}
+CPU_PATHS = ("cpu-gemm", "cpu-small-n")
+
+
+def product_paths(*names: str) -> list:
+    """``pytest.param``s for the ``product_path`` fixture (tests/conftest.py): every path, or the ones
+    named (for ``@pytest.mark.parametrize("product_path", product_paths(*CPU_PATHS), indirect=True)``)."""
+    return [
+        pytest.param(n, marks=pytest.mark.triton) if PRODUCT_PATHS[n].backend == "triton" else n
+        for n in names or PRODUCT_PATHS
+    ]
+
+
+# -- inputs and tolerances ---------------------------------------------------------------------------------
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, k: int = 1) -> None:
