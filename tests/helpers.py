@@ -1,13 +1,16 @@
-"""Random BSR factories and per-dtype tolerances shared by the tests."""
+"""What the tests share: random BSR factories, per-dtype tolerances, the backends and product paths the
+fixtures of conftest.py run on, and child Pythons under a time limit."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,11 +27,15 @@ __all__ = [
     "DTYPES",
     "PRODUCT_PATHS",
     "ProductPath",
+    "PythonRun",
     "assert_close",
     "backends",
+    "finish_python",
     "product_paths",
+    "python_env",
     "random_bsr",
     "run_python",
+    "start_python",
     "tolerances",
 ]
 
@@ -170,19 +177,109 @@ def _to_bsr(dense: torch.Tensor, mask: torch.Tensor, blocksize: tuple[int, int])
     )
 
 
-def run_python(code: str, timeout: float = 300, env: dict[str, str] | None = None) -> dict:
-    """Run ``code`` in a fresh Python process (this tree's ``src`` first on the path, a temporary working
-    directory, a hard time limit) and return the JSON object its last line of stdout prints."""
-    full_env = dict(os.environ, **(env or {}))
-    full_env["PYTHONPATH"] = os.pathsep.join([str(SRC), full_env.get("PYTHONPATH", "")])
-    with tempfile.TemporaryDirectory(prefix="bsrkit-run-") as cwd:
-        done = subprocess.run(
-            [sys.executable, "-c", code],
-            env=full_env,
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+# -- child Pythons ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PythonRun:
+    """A child Python that finished: its command line, exit status and captured output."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        """The tails of stdout and stderr, for an assertion's message."""
+        return self.stdout[-3000:] + self.stderr[-3000:]
+
+    @property
+    def last_line(self) -> str:
+        """The last non-empty line of stdout."""
+        lines = self.stdout.strip().splitlines()
+        assert lines, f"the child printed nothing:\n{self.output}"
+        return lines[-1]
+
+    def json(self) -> Any:
+        """The JSON value on the last line of stdout (the scripts print their report there)."""
+        return json.loads(self.last_line)
+
+
+def python_env(env: dict[str, str | None] | None = None) -> dict[str, str]:
+    """This process's environment with ``env`` applied (a None value removes the variable) and this tree's
+    ``src`` first on ``PYTHONPATH``."""
+    full = dict(os.environ)
+    for key, value in (env or {}).items():
+        if value is None:
+            full.pop(key, None)
+        else:
+            full[key] = value
+    full["PYTHONPATH"] = os.pathsep.join([str(SRC), full.get("PYTHONPATH", "")])
+    return full
+
+
+def start_python(
+    code_or_args: str | Sequence[str],
+    *,
+    env: dict[str, str | None] | None = None,
+    cwd: str | Path | None = None,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
+) -> subprocess.Popen:
+    """Start a fresh Python on ``code_or_args`` (source code for ``-c``, or the arguments after the
+    interpreter: a script and its arguments, ``-m`` and a module, ``-c`` and code and ``sys.argv``), with
+    :func:`python_env` and, without ``cwd``, a new temporary working directory. For processes that must
+    run side by side; finish each with :func:`finish_python`."""
+    args = [sys.executable, "-c", code_or_args] if isinstance(code_or_args, str) else [
+        sys.executable, *map(str, code_or_args)
+    ]  # fmt: skip
+    tmp = None if cwd is not None else tempfile.mkdtemp(prefix="bsrkit-run-")
+    cwd = cwd if cwd is not None else tmp
+    proc = subprocess.Popen(args, env=python_env(env), cwd=cwd, stdout=stdout, stderr=stderr, text=True)
+    proc._bsrkit_tmp = tmp  # type: ignore[attr-defined]  (removed by finish_python)
+    return proc
+
+
+def finish_python(proc: subprocess.Popen, *, timeout: float, check: bool = True) -> PythonRun:
+    """Wait for a child of :func:`start_python` at most ``timeout`` seconds. Past the limit it is killed
+    and the test fails with its output so far; with ``check`` a non-zero exit fails the test too, with
+    the child's output."""
+    try:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            run = PythonRun(proc.args, proc.returncode, out or "", err or "")
+            pytest.fail(f"{_describe(proc.args)} did not finish in {timeout} s; its output:\n{run.output}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if getattr(proc, "_bsrkit_tmp", None):
+            shutil.rmtree(proc._bsrkit_tmp, ignore_errors=True)
+    run = PythonRun(proc.args, proc.returncode, out or "", err or "")
+    if check and run.returncode != 0:
+        pytest.fail(f"{_describe(proc.args)} exited with {run.returncode}; its output:\n{run.output}")
+    return run
+
+
+def run_python(
+    code_or_args: str | Sequence[str],
+    *,
+    env: dict[str, str | None] | None = None,
+    timeout: float = 300,
+    cwd: str | Path | None = None,
+    check: bool = True,
+) -> PythonRun:
+    """Run a fresh Python to completion (see :func:`start_python` and :func:`finish_python`): a hard time
+    limit, this tree's ``src`` first on the path, the test failed with the child's output if it exits
+    non-zero (unless ``check=False``) or runs past ``timeout``. ``.json()`` reads the report a script
+    prints on its last line."""
+    return finish_python(start_python(code_or_args, env=env, cwd=cwd), timeout=timeout, check=check)
+
+
+def _describe(args: Sequence[str]) -> str:
+    shown = [a if len(a) <= 60 else a[:57] + "..." for a in args[1:]]
+    return "the child Python " + repr(shown)

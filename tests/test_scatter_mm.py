@@ -1,8 +1,5 @@
 """scatter_mm, bsr_scatter_mm and their indices data, against torch's layout and the reference."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.sparse._triton_ops as torch_ops
@@ -10,7 +7,7 @@ import torch.sparse._triton_ops as torch_ops
 import bsrkit
 from bsrkit import reference
 from bsrkit.backends import BACKENDS
-from helpers import assert_close, backends, random_bsr
+from helpers import assert_close, backends, random_bsr, run_python
 
 FORMATS = ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"]
 
@@ -123,7 +120,7 @@ def test_import_is_lean():
         "assert 'numba' not in sys.modules, 'numba'; "
         "assert not torch.cuda.is_initialized(), 'cuda'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code, timeout=120)
 
 
 # -- the compiled CPU kernel (and the torch backend beside it) -------------------------------------------

@@ -2,16 +2,13 @@
 product suite runs on this backend too, as the ``triton`` product path (tests/test_products.py)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import bsrkit
 from bsrkit import reference, tuning
-from helpers import assert_close, random_bsr
+from helpers import assert_close, random_bsr, run_python
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
@@ -143,10 +140,7 @@ def test_kernels_compile_for_sm90_without_spills():
         " for k, f in KERNELS.items()}\n"
         "print(json.dumps({'rows': rows, 'alpha': alpha}))\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = run_python(script, env={"TRITON_INTERPRET": "0"}, timeout=600).json()
     for kernel, dtype, bs, r in report["rows"]:
         assert r["stack_bytes"] == 0 and r["local_bytes"] == 0, (kernel, dtype, bs, r)
         assert r["shared_bytes"] <= 227 * 1024, (kernel, dtype, bs, r)
