@@ -18,12 +18,28 @@ torch.sparse.check_sparse_tensor_invariants.enable()
 
 import pytest  # noqa: E402
 
+from helpers import PRODUCT_PATHS, ProductPath, backends, product_paths  # noqa: E402
 
-@pytest.fixture(params=["cpu", "torch", pytest.param("triton", marks=pytest.mark.triton)])
-def backend(request, monkeypatch):
+
+@pytest.fixture(params=backends())
+def backend(request, monkeypatch) -> str:
     """Every backend in turn, forced through $BSRKIT_BACKEND (Triton in its interpreter; skipped without
-    triton). Modules that test fewer backends define their own ``backend``."""
+    triton). Tests on fewer backends parametrize it indirectly: ``@pytest.mark.parametrize("backend",
+    backends("cpu", "torch"), indirect=True)``."""
     if request.param == "triton":
         pytest.importorskip("triton")
     monkeypatch.setenv("BSRKIT_BACKEND", request.param)
     return request.param
+
+
+@pytest.fixture(params=product_paths())
+def product_path(request, monkeypatch) -> ProductPath:
+    """Every product path in turn (helpers.PRODUCT_PATHS: the CPU backend's gemm and vector loops, torch,
+    Triton in its interpreter): its backend forced through $BSRKIT_BACKEND, its ``meta`` added by the
+    path's ``mm``/``addmm``/``transposed_mm``. Tests on fewer paths parametrize it indirectly with
+    ``helpers.product_paths(...)``."""
+    path = PRODUCT_PATHS[request.param]
+    if path.backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("BSRKIT_BACKEND", path.backend)
+    return path

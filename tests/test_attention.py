@@ -7,7 +7,7 @@ import torch
 
 import bsrkit
 from bsrkit import plans, reference
-from helpers import random_bsr
+from helpers import backends, random_bsr
 
 # Triton's interpreter takes seconds per call: its tests use the few smallest cases.
 
@@ -59,7 +59,7 @@ def _mask(kind, L, S, H):
 @pytest.mark.parametrize(
     "kind", ["sliding", "causal", "local_global", "random_bool", "random_float", "batched_mask"]
 )
-@pytest.mark.parametrize("backend", ["cpu", "torch"], indirect=True)
+@pytest.mark.parametrize("backend", backends("cpu", "torch"), indirect=True)
 def test_matches_dense_reference(backend, kind, is_causal):
     B, H, L, S, E, Ev = 2, 3, 24, 30, 8, 5  # ragged L != S, multi-head, value broadcast over the batch
     mask = _mask(kind, L, S, H)

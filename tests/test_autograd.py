@@ -8,14 +8,6 @@ from bsrkit import reference
 from helpers import DTYPES, assert_close, random_bsr
 
 
-@pytest.fixture(params=["cpu", "torch", pytest.param("triton", marks=pytest.mark.triton)])
-def backend(request, monkeypatch):
-    if request.param == "triton":
-        pytest.importorskip("triton")
-    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
-    return request.param
-
-
 def skip_interpreter_bfloat16(backend, dtype):
     # Triton's interpreter computes tl.dot wrongly in bfloat16 (see test_triton.py); a GPU does not.
     if backend == "triton" and dtype == torch.bfloat16:

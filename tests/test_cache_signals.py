@@ -9,13 +9,12 @@ each step under a time limit, and the parent runs it under a hard ``timeout=``.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from helpers import run_python
 
 STRESS = textwrap.dedent(
     r"""
@@ -156,24 +155,9 @@ STRESS = textwrap.dedent(
 def test_random_sigint_storm_leaves_caches_usable_and_consistent(tmp_path: Path, seed: int) -> None:
     script = tmp_path / "stress.py"
     script.write_text(STRESS)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {
-        **os.environ,
-        "BSRKIT_BACKEND": "torch",
-        "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    try:
-        result = subprocess.run(
-            [sys.executable, str(script), "3.0", str(seed)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=180,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the stress run hung (a cache lock left held?); output so far:\n{e.stdout}\n{e.stderr}")
+    # A run past the limit fails the test: the stress run hung (a cache lock left held?).
+    result = run_python([script, "3.0", seed], env={"BSRKIT_BACKEND": "torch"}, timeout=180)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
     assert "OK " in result.stdout, output[-4000:]
     interrupts = int(result.stdout.split("interrupts=")[1].split()[0])
     assert interrupts >= 100, f"too few interrupts to mean anything: {result.stdout}"

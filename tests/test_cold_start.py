@@ -6,10 +6,7 @@ own cache statistics (:func:`bsrkit.backends.cpu.kernels.compile_cache_info`), n
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import torch
 
 import bsrkit
 from bsrkit.backends.cpu import blas, kernels
+from helpers import finish_python, run_python, start_python
 
 SRC = Path(__file__).parents[1] / "src"
 JIT_FILE = SRC / "bsrkit" / "backends" / "cpu" / "compiled" / "support.py"
@@ -51,38 +49,26 @@ PRODUCTS = textwrap.dedent(
 
 
 def _env(cache_dir: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir), **extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _report(done: subprocess.CompletedProcess) -> dict:
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {"NUMBA_CACHE_DIR": str(cache_dir), **extra}
 
 
 def test_first_processes_compile_concurrently_and_later_ones_load(tmp_path):
     """Two processes start together on an empty cache (both compile, or one loads what the other
     wrote: each entry is renamed into place whole); a third then loads both kernels."""
     cache = tmp_path / "numba-cache"
-    cmd = [sys.executable, "-c", PRODUCTS]
-    first = [
-        subprocess.Popen(cmd, env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]
+    first = [start_python(PRODUCTS, env=_env(cache)) for _ in range(2)]
     try:
-        outputs = [p.communicate(timeout=400) for p in first]
+        reports = [finish_python(p, timeout=400).json() for p in first]
     finally:
         for p in first:
             p.kill()
-    for p, (out, err) in zip(first, outputs, strict=True):
-        report = _report(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    for report in reports:
         assert max(report["errors"]) < 1e-3, report
         for name in ("bsr_mm", "sampled", "bsr_mm_serial", "sampled_serial"):
             info = report["cache"][name]
             assert info["path"].startswith(str(cache)), info
             assert info["hits"] + info["misses"] == 1, info
-    later = _report(subprocess.run(cmd, env=_env(cache), capture_output=True, text=True, timeout=300))
+    later = run_python(PRODUCTS, env=_env(cache), timeout=300).json()
     assert max(later["errors"]) < 1e-3, later
     for name in ("bsr_mm", "sampled", "bsr_mm_serial", "sampled_serial"):
         assert later["cache"][name]["hits"] == 1 and later["cache"][name]["misses"] == 0, later
@@ -112,8 +98,7 @@ def _probe(tmp_path: Path, source: str | None = None) -> dict:
         probe.write_text(source)
     script = PROBE.format(jit=str(JIT_FILE), folder=str(tmp_path))
     env = _env(tmp_path / "cache", PYTHONDONTWRITEBYTECODE="1")
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    return _report(run)
+    return run_python(script, env=env, timeout=120).json()
 
 
 def test_cache_is_never_stale_even_with_the_same_size_and_mtime(tmp_path):
@@ -277,10 +262,5 @@ def test_ctrl_c_storm_during_the_cold_first_products_leaves_nothing_hung(tmp_pat
     empty cache, another thread multiplying too: afterwards a product on a new thread finishes and is
     right. Before bsrkit.loading (first imports and compiles off the main thread), 3 of 6 such storms
     hung for ever (a module lock, then llvmlite's lock, left held); after it, 12 of 12 finished."""
-    done = subprocess.run(
-        [sys.executable, "-c", STORM, str(seed), "6"], env=_env(tmp_path / "numba-cache"),
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_python(["-c", STORM, seed, "6"], env=_env(tmp_path / "numba-cache"), timeout=240).json()
     assert report["interrupts"] > 10 and not report["hung"] and report["err"] < 1e-4, report

@@ -109,7 +109,7 @@ CHECK = textwrap.dedent(
 def test_public_op_under_torch_compile_in_a_fresh_process(op):
     fn, args = CASES[op]
     differentiable = op not in NOT_DIFFERENTIABLE
-    result = run_python(SETUP + CHECK.format(fn=fn, args=args, grad=differentiable), timeout=300)
+    result = run_python(SETUP + CHECK.format(fn=fn, args=args, grad=differentiable), timeout=300).json()
     assert result["equal"], result
     assert all(result.get("grads", [])), result
     assert bool(result.get("grads")) == differentiable, result

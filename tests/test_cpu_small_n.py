@@ -1,5 +1,7 @@
 """The CPU backend's vector loops for few columns (``bsr_dense_mm`` with N <= 16, or ``meta={"small_n":
-True}``), against the masked-dense reference; every case also on the gemm path (``small_n: False``)."""
+True}``): the layouts each loop takes, against the masked-dense reference, also on the gemm path
+(``small_n: False``). The product suite runs on both paths as well (tests/test_products.py, the
+``cpu-small-n`` and ``cpu-gemm`` product paths)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,12 @@ import torch
 import bsrkit
 from bsrkit import dispatch, reference
 from bsrkit.backends.cpu import backend as cpu_backend
-from helpers import assert_close, random_bsr
+from helpers import CPU_PATHS, assert_close, product_paths, random_bsr
 
 pytestmark = pytest.mark.skipif(
     dispatch.select_backend("bsr_dense_mm", torch.device("cpu"), torch.float32) != "cpu",
     reason="CPU products do not run on the compiled backend here",
 )
-
-PATHS = (True, False)  # meta["small_n"]: the vector loops, or a gemm per block
 
 # (M, K, blocksize): square blocks taking the dot-product loop for N <= 4 (Ks a multiple of the lanes);
 # rectangular ones and blocks of odd width (Ks % 8 != 0: the broadcast loop at every N); Ms % 4 != 0.
@@ -26,79 +26,16 @@ SHAPES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("small", PATHS)
+@pytest.mark.parametrize("product_path", product_paths(*CPU_PATHS), indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_matches_reference_at_every_width(small, dtype, shape):
+def test_matches_reference_at_every_width(product_path, dtype, shape):
     M, K, blocksize = shape
     g = torch.Generator().manual_seed(M + K)
     bsr = random_bsr((M, K), blocksize, 0.4, dtype, empty_rows=(1,), generator=g)
     for N in (1, 2, 3, 4, 5, 8, 9, 16, 17):
         dense = torch.randn((K, N), generator=g).to(dtype)
-        got = bsrkit.bsr_dense_mm(bsr, dense, meta={"small_n": small})
-        assert_close(got, reference.bsr_dense_mm(bsr, dense), k=K)
-
-
-@pytest.mark.parametrize("small", PATHS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_exact_on_small_integers(small, dtype):
-    g = torch.Generator().manual_seed(3)
-    bsr = random_bsr((64, 64), (16, 16), 0.5, dtype, empty_rows=(2,), integers=True, generator=g)
-    for N in (1, 2, 3, 8, 16):
-        dense = torch.randint(-3, 4, (64, N), generator=g).to(dtype)
-        got = bsrkit.bsr_dense_mm(bsr, dense, meta={"small_n": small})
-        assert torch.equal(got, reference.bsr_dense_mm(bsr, dense))
-
-
-@pytest.mark.parametrize("small", PATHS)
-@pytest.mark.parametrize("N", [1, 4, 16])
-def test_addmm_alpha_beta_and_strided_out(small, N):
-    g = torch.Generator().manual_seed(N)
-    bsr = random_bsr((64, 32), (16, 8), 0.5, empty_rows=(0,), generator=g)
-    dense = torch.randn((32, N), generator=g)
-    inp = torch.randn((64, N), generator=g)
-    for beta, alpha in ((1.0, 1.0), (0.5, -2.0), (0.0, 3.0)):
-        got = bsrkit.bsr_dense_addmm(inp, bsr, dense, beta=beta, alpha=alpha, meta={"small_n": small})
-        assert_close(got, reference.bsr_dense_addmm(inp, bsr, dense, beta=beta, alpha=alpha), k=32)
-    # out: column-major, and a view with a row stride wider than N (accumulating, and overwriting)
-    for out in (torch.empty((N, 64)).mT, torch.empty((64, N + 5))[:, :N]):
-        out.copy_(inp)
-        bsrkit.bsr_dense_addmm(out, bsr, dense, beta=2.0, alpha=0.5, out=out, meta={"small_n": small})
-        assert_close(out, reference.bsr_dense_addmm(inp, bsr, dense, beta=2.0, alpha=0.5), k=32)
-        bsrkit.bsr_dense_mm(bsr, dense, out=out, meta={"small_n": small})
-        assert_close(out, reference.bsr_dense_mm(bsr, dense), k=32)
-
-
-@pytest.mark.parametrize("small", PATHS)
-@pytest.mark.parametrize("N", [1, 2, 8, 12])
-@pytest.mark.parametrize(
-    "make_dense",
-    [
-        lambda K, N: torch.randn(N, K).mT,  # column-major (a token batch x.T): read in place for N <= 4
-        lambda K, N: torch.randn(K, 2 * N)[:, ::2],  # no unit stride: copied
-        lambda K, N: torch.randn(K, N + 3)[:, :N],  # row stride wider than N
-    ],
-    ids=["column-major", "strided", "padded-rows"],
-)
-def test_non_contiguous_dense(small, N, make_dense):
-    bsr = random_bsr((48, 64), (16, 16), 0.5, generator=torch.Generator().manual_seed(N))
-    dense = make_dense(64, N)
-    assert_close(
-        bsrkit.bsr_dense_mm(bsr, dense, meta={"small_n": small}), reference.bsr_dense_mm(bsr, dense), k=64
-    )
-
-
-@pytest.mark.parametrize("small", PATHS)
-@pytest.mark.parametrize(
-    ("bsr_batch", "dense_batch"), [((3,), (3,)), ((2, 1), (1, 3)), ((), (4,)), ((2,), ())]
-)
-def test_batched_and_broadcast(small, bsr_batch, dense_batch):
-    g = torch.Generator().manual_seed(7)
-    bsr = random_bsr((*bsr_batch, 32, 48), (8, 16), 0.5, empty_rows=(1,), generator=g)
-    for N in (1, 2, 3, 8):
-        dense = torch.randn((*dense_batch, 48, N), generator=g)
-        got = bsrkit.bsr_dense_mm(bsr, dense, meta={"small_n": small})
-        assert_close(got, reference.bsr_dense_mm(bsr, dense), k=48)
+        assert_close(product_path.mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=K)
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial entry", "parallel loop"])
@@ -133,30 +70,6 @@ def test_two_row_major_columns_are_read_in_place(monkeypatch, dtype, parallel):
     dense = torch.randn((3, 32, 2), generator=g).to(dtype)  # batched, broadcast over the blocks
     assert_close(bsrkit.bsr_dense_mm(odd, dense, meta=meta), reference.bsr_dense_mm(odd, dense), k=32)
     assert seen[-1][0] == kernels.DOT_PAIRS
-
-
-@pytest.mark.parametrize("small", PATHS)
-def test_transposed_operand(small):
-    """``bsr_transposed_dense_mm``: blocks reach the loops column-major (the broadcast loop)."""
-    bsr = random_bsr((64, 32), (16, 8), 0.5, generator=torch.Generator().manual_seed(5))
-    for N in (1, 4, 16):
-        dense = torch.randn(64, N)
-        got = bsrkit.bsr_transposed_dense_mm(bsr, dense, meta={"small_n": small})
-        assert_close(got, reference.bsr_transposed_dense_mm(bsr, dense), k=64)
-
-
-@pytest.mark.parametrize("small", PATHS)
-def test_nnz_zero_and_all_rows_empty_write_zeros(small):
-    empty = torch.sparse_bsr_tensor(
-        torch.zeros(5, dtype=torch.int64),
-        torch.zeros(0, dtype=torch.int64),
-        torch.zeros(0, 8, 8),
-        size=(32, 16),
-    )
-    for N in (1, 5):
-        out = torch.full((32, N), float("nan"))
-        assert torch.equal(bsrkit.bsr_dense_mm(empty, torch.randn(16, N), out=out, meta={"small_n": small}),
-                           torch.zeros(32, N))  # fmt: skip
 
 
 def test_nan_and_inf_propagate_as_in_ieee_arithmetic():

@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ import bsrkit
 from bsrkit.distributed import BlockRowParallelBSRLinear, parallelize, split_block_rows
 from bsrkit.nn import BSRLinear
 from distributed_workers import make_model
+from helpers import run_python, start_python
 
 WORKERS = Path(__file__).with_name("distributed_workers.py")
 # A hard limit for the whole 2-rank run (about 10 s on 2 shared cores, mostly start-up): a hung
@@ -42,9 +42,7 @@ def _free_port() -> int:
 def run_ranks(out: Path, scenarios: list[str], world: int = 2, timeout: float = WORKER_TIMEOUT_S) -> None:
     """Run the scenarios on ``world`` local gloo ranks; kill every rank and fail if any fails or the time
     limit passes."""
-    src = str(Path(bsrkit.__file__).resolve().parents[1])  # the bsrkit this test imports
-    env = {
-        **os.environ,
+    env = {  # (start_python puts this tree's src first on PYTHONPATH)
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": str(world),
@@ -52,16 +50,16 @@ def run_ranks(out: Path, scenarios: list[str], world: int = 2, timeout: float = 
         # The portable backend: the wrappers are under test here, not the kernels, and it spares each
         # worker the numba compile (~10 s). BSRKIT_BACKEND=cpu runs the workers on the compiled kernels.
         "BSRKIT_BACKEND": os.environ.get("BSRKIT_BACKEND", "torch"),
-        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
     }
     procs = []
     for rank in range(world):
         log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
         procs.append(
             (
-                subprocess.Popen(
-                    [sys.executable, str(WORKERS), str(out), *scenarios],
+                start_python(
+                    [WORKERS, out, *scenarios],
                     env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    cwd=out,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 ),
@@ -281,4 +279,4 @@ def test_distributed_is_loaded_lazily():
         "assert 'torch.distributed.fsdp' not in sys.modules; "
         "assert bsrkit.distributed.BlockRowParallelBSRLinear"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    run_python(code, timeout=120)

@@ -9,13 +9,9 @@ import torch
 import bsrkit
 from bsrkit import reference
 from bsrkit.nn import BSRLinear
-from helpers import assert_close, random_bsr
+from helpers import assert_close, backends, random_bsr
 
-
-@pytest.fixture(params=["cpu", "torch"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
-    return request.param
+pytestmark = pytest.mark.parametrize("backend", backends("cpu", "torch"), indirect=True)
 
 
 def _huge_row_stride(rows, cols, fill):

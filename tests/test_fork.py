@@ -9,18 +9,14 @@ twins in a forked child (GNU OpenMP cannot start threads there); softmax uses to
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+from helpers import run_python
 
-SRC = Path(__file__).parents[1] / "src"
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
 SCRIPT = textwrap.dedent(
     """
@@ -79,13 +75,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(env_extra: dict[str, str], timeout: float = 120) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
-    env.update(env_extra, PYTHONPATH=os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_python(SCRIPT, env={"NUMBA_THREADING_LAYER": None, **env_extra}, timeout=timeout).json()
 
 
 def _assert_close(errors: list[float]) -> None:
@@ -143,14 +133,5 @@ THREADS_SCRIPT = textwrap.dedent(
 def test_products_keep_torchs_thread_count(threads):
     """numba's OpenMP pool and torch share libgomp, and starting the pool sets the process-wide thread
     count to NUMBA_NUM_THREADS: a user's torch.set_num_threads(1) must survive the first product."""
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
-    env.update(NUMBA_NUM_THREADS="2", PYTHONPATH=os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        [sys.executable, "-c", THREADS_SCRIPT, str(threads)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [threads] * 5
+    env = {"NUMBA_THREADING_LAYER": None, "NUMBA_NUM_THREADS": "2"}
+    assert run_python(["-c", THREADS_SCRIPT, threads], env=env, timeout=120).json() == [threads] * 5

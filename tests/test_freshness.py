@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 import bsrkit
 from bsrkit import reference, weak_lru_cache
 from bsrkit.nn import BSRLinear
-from helpers import assert_close
+from helpers import assert_close, run_python
 
 N_, BS = 64, 16  # a 4 x 4 grid of 16 x 16 blocks, two stored per block row
 CROW = [0, 2, 4, 6, 8]
@@ -106,8 +104,7 @@ def _other_process(w: Weight, new: torch.Tensor, mapped: Path | None) -> torch.T
         "m[:] = [int(v) for v in sys.argv[2:]]\n"
         "m.flush()\n"
     )
-    args = [sys.executable, "-c", script, str(mapped), *map(str, new.tolist())]
-    subprocess.run(args, check=True, timeout=60, capture_output=True)
+    run_python(["-c", script, mapped, *new.tolist()], timeout=60)
     return w.bsr
 
 

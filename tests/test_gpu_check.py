@@ -2,12 +2,11 @@
 interpreter on a tiny grid, so the script a device session runs once is known to work before it does."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_python
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
@@ -16,12 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_dry_run_checks_tunes_and_times(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "BSRKIT_TUNING_TABLE": str(tmp_path / "t.json")}
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_python(
+        [ROOT / "benchmarks" / "gpu_check.py", "--dry-run", "--out", tmp_path],
+        env={"BSRKIT_TUNING_TABLE": str(tmp_path / "t.json")},
+        timeout=600,
+    )
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert results["failures"] == []
     assert results["environment"]["torch"]

@@ -5,15 +5,13 @@ The cases run in a subprocess, so that a regression that crashes the process fai
 killing the test run."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from bsrkit.validation import pattern_defect
+from helpers import run_python
 
 # (name, crow, col): blocks 2x2 of an 8x8 matrix (4 x 4 blocks), 4 values.
 CASES = [
@@ -66,16 +64,8 @@ _WORKER = textwrap.dedent(
 def test_malformed_patterns_raise_on_every_op(backend):
     if backend == "triton":
         pytest.importorskip("triton")
-    env = {**os.environ, "BSRKIT_BACKEND": backend, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _WORKER, json.dumps(CASES)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, f"worker crashed ({proc.returncode}): {proc.stderr[-2000:]}"
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    env = {"BSRKIT_BACKEND": backend, "TRITON_INTERPRET": "1"}
+    results = run_python(["-c", _WORKER, json.dumps(CASES)], env=env, timeout=300).json()  # (a crash fails)
     assert len(results) == len(CASES) * 6
     for name, op, got, wrote_past_out in results:
         arg = "input" if op == "sampled_addmm" else "bsr"
@@ -192,12 +182,8 @@ _INDICES_WORKER = textwrap.dedent(
 def test_malformed_indices_data_raise(backend):
     if backend == "triton":
         pytest.importorskip("triton")
-    env = {**os.environ, "BSRKIT_BACKEND": backend, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _INDICES_WORKER], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, f"worker crashed ({proc.returncode}): {proc.stderr[-2000:]}"
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    env = {"BSRKIT_BACKEND": backend, "TRITON_INTERPRET": "1"}
+    results = run_python(_INDICES_WORKER, env=env, timeout=300).json()  # (a crash fails)
     assert len(results) == 7 + 2 * 7
     for name, got in results:
         assert got.startswith("ValueError: scatter_mm(): malformed indices_data: expected"), (name, got)

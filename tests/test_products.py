@@ -1,4 +1,6 @@
-"""Every product path against bsrkit.reference on fresh random inputs."""
+"""Every product path against bsrkit.reference on fresh random inputs: the shared suite runs on each path
+of the ``product_path`` fixture (tests/conftest.py: the CPU backend's gemm and vector loops, torch, Triton
+in its interpreter); the CPU backend's own machinery (plans, kept calls, threads) is tested after it."""
 
 import gc
 import itertools
@@ -9,16 +11,7 @@ import torch
 
 import bsrkit
 from bsrkit import reference
-from helpers import DTYPES, assert_close, random_bsr
-
-BACKENDS = ["cpu", "torch"]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
-    return request.param
-
+from helpers import DTYPES, assert_close, product_paths, random_bsr
 
 CASES = [
     # (M, K, N, blocksize, density, empty block rows, empty block cols)
@@ -27,54 +20,95 @@ CASES = [
     (64, 64, 300, (32, 32), 0.6, (), (0,)),  # N spans two panels
     (24, 36, 8, (1, 1), 0.2, (), ()),
     (32, 16, 8, (32, 16), 1.0, (), ()),  # one block
+    (24, 20, 33, (6, 4), 0.5, (1,), ()),
+    (32, 48, 40, (16, 8), 0.5, (), ()),
+    (8, 8, 5, (1, 1), 0.5, (0, 3), ()),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES)
-def test_bsr_dense_mm_matches_reference(backend, dtype, case):
+def test_bsr_dense_mm_matches_reference(product_path, dtype, case):
+    product_path.skip_unsupported(dtype)
     M, K, N, bs, density, er, ec = case
     bsr = random_bsr((M, K), bs, density, dtype, empty_rows=er, empty_cols=ec)
     dense = torch.randn(K, N).to(dtype)
-    assert_close(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=K)
+    assert_close(product_path.mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=K)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_exact_on_small_integers(backend, dtype):
+def test_exact_on_small_integers(product_path, dtype):
     bsr = random_bsr((40, 60), (4, 6), 0.5, dtype, empty_rows=(3,), integers=True)
     dense = torch.randint(-3, 4, (60, 33)).to(dtype)
-    assert torch.equal(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense))
+    assert torch.equal(product_path.mm(bsr, dense), reference.bsr_dense_mm(bsr, dense))
+    g = torch.Generator().manual_seed(3)
+    bsr = random_bsr((64, 64), (16, 16), 0.5, dtype, empty_rows=(2,), integers=True, generator=g)
+    for N in (1, 2, 3, 8, 16):
+        dense = torch.randint(-3, 4, (64, N), generator=g).to(dtype)
+        assert torch.equal(product_path.mm(bsr, dense), reference.bsr_dense_mm(bsr, dense))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_addmm_beta_alpha(backend, dtype):
+def test_addmm_beta_alpha(product_path, dtype):
+    product_path.skip_unsupported(dtype)
     bsr = random_bsr((32, 24), (8, 4), 0.5, dtype, empty_rows=(1,))
     dense = torch.randn(24, 20).to(dtype)
     inp = torch.randn(32, 20).to(dtype)
     for beta, alpha in [(1, 1), (0.5, -2.0), (0, 3), (2, 0)]:
-        got = bsrkit.bsr_dense_addmm(inp, bsr, dense, beta=beta, alpha=alpha)
+        got = product_path.addmm(inp, bsr, dense, beta=beta, alpha=alpha)
         assert_close(got, reference.bsr_dense_addmm(inp, bsr, dense, beta=beta, alpha=alpha), k=24)
 
 
-def test_addmm_beta_zero_ignores_nan_input(backend):
+@pytest.mark.parametrize("N", [1, 4, 16])
+def test_addmm_alpha_beta_and_strided_out(product_path, N):
+    g = torch.Generator().manual_seed(N)
+    bsr = random_bsr((64, 32), (16, 8), 0.5, empty_rows=(0,), generator=g)
+    dense = torch.randn((32, N), generator=g)
+    inp = torch.randn((64, N), generator=g)
+    for beta, alpha in ((1.0, 1.0), (0.5, -2.0), (0.0, 3.0)):
+        got = product_path.addmm(inp, bsr, dense, beta=beta, alpha=alpha)
+        assert_close(got, reference.bsr_dense_addmm(inp, bsr, dense, beta=beta, alpha=alpha), k=32)
+    # out: column-major, and a view with a row stride wider than N (accumulating, and overwriting)
+    for out in (torch.empty((N, 64)).mT, torch.empty((64, N + 5))[:, :N]):
+        out.copy_(inp)
+        product_path.addmm(out, bsr, dense, beta=2.0, alpha=0.5, out=out)
+        assert_close(out, reference.bsr_dense_addmm(inp, bsr, dense, beta=2.0, alpha=0.5), k=32)
+        product_path.mm(bsr, dense, out=out)
+        assert_close(out, reference.bsr_dense_mm(bsr, dense), k=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_addmm_batched_broadcast_non_contiguous(product_path, dtype):
+    bsr = random_bsr((2, 24, 20), (6, 4), 0.5, dtype, empty_rows=(0,))
+    dense = torch.randn(20, 2, 17).to(dtype).permute(1, 0, 2)  # batched, batch stride not outermost
+    inp = torch.randn(17).to(dtype)
+    out = torch.empty(2, 17, 24, dtype=dtype).mT  # column-major out
+    got = product_path.addmm(inp, bsr, dense, beta=0.5, alpha=-2.0, out=out)
+    assert got is out
+    assert_close(
+        out, reference.bsr_dense_addmm(inp.expand(2, 24, 17), bsr, dense, beta=0.5, alpha=-2.0), k=20
+    )
+
+
+def test_addmm_beta_zero_ignores_nan_input(product_path):
     bsr = random_bsr((16, 16), (4, 4), 0.5, empty_rows=(0,))
     inp = torch.full((16, 8), float("nan"))
-    out = bsrkit.bsr_dense_addmm(inp, bsr, torch.randn(16, 8), beta=0)
+    out = product_path.addmm(inp, bsr, torch.randn(16, 8), beta=0)
     assert not out.isnan().any()
 
 
-def test_addmm_broadcast_input_and_out_is_input(backend):
+def test_addmm_broadcast_input_and_out_is_input(product_path):
     bsr = random_bsr((16, 12), (4, 3), 0.5)
     dense = torch.randn(12, 10)
     row = torch.randn(10)
     assert_close(
-        bsrkit.bsr_dense_addmm(row, bsr, dense, beta=2),
+        product_path.addmm(row, bsr, dense, beta=2),
         reference.bsr_dense_addmm(row.expand(16, 10), bsr, dense, beta=2),
         k=12,
     )
     acc = torch.randn(16, 10)
     expected = reference.bsr_dense_addmm(acc, bsr, dense, beta=1, alpha=0.5)
-    got = bsrkit.bsr_dense_addmm(acc, bsr, dense, alpha=0.5, out=acc)
+    got = product_path.addmm(acc, bsr, dense, alpha=0.5, out=acc)
     assert got is acc
     assert_close(acc, expected, k=12)
 
@@ -82,13 +116,24 @@ def test_addmm_broadcast_input_and_out_is_input(backend):
 @pytest.mark.parametrize(
     "bsr_batch,dense_batch", [((), (3,)), ((2,), ()), ((2,), (2,)), ((2, 1), (1, 3)), ((), (2, 2))]
 )
-def test_batched_and_broadcast(backend, bsr_batch, dense_batch):
+def test_batched_and_broadcast(product_path, bsr_batch, dense_batch):
     bsr = random_bsr((*bsr_batch, 24, 16), (6, 4), 0.5, empty_rows=(1,))
     dense = torch.randn(*dense_batch, 16, 9)
-    got = bsrkit.bsr_dense_mm(bsr, dense)
+    got = product_path.mm(bsr, dense)
     ref = reference.bsr_dense_mm(bsr, dense)
     assert got.shape == ref.shape
     assert_close(got, ref, k=16)
+
+
+@pytest.mark.parametrize(
+    ("bsr_batch", "dense_batch"), [((3,), (3,)), ((2, 1), (1, 3)), ((), (4,)), ((2,), ())]
+)
+def test_batched_and_broadcast_few_columns(product_path, bsr_batch, dense_batch):
+    g = torch.Generator().manual_seed(7)
+    bsr = random_bsr((*bsr_batch, 32, 48), (8, 16), 0.5, empty_rows=(1,), generator=g)
+    for N in (1, 2, 3, 8):
+        dense = torch.randn((*dense_batch, 48, N), generator=g)
+        assert_close(product_path.mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=48)
 
 
 @pytest.mark.parametrize(
@@ -101,10 +146,34 @@ def test_batched_and_broadcast(backend, bsr_batch, dense_batch):
         lambda: torch.randn(40, 3, 16).permute(1, 2, 0),  # batched, column-major per matrix
     ],
 )
-def test_non_contiguous_dense(backend, make_dense):
+def test_non_contiguous_dense(product_path, make_dense):
     dense = make_dense()
     bsr = random_bsr((32, 16), (8, 4), 0.5, empty_rows=(2,))
-    assert_close(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=16)
+    assert_close(product_path.mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=16)
+
+
+@pytest.mark.parametrize("N", [1, 2, 8, 12])
+@pytest.mark.parametrize(
+    "make_dense",
+    [
+        lambda K, N: torch.randn(N, K).mT,  # column-major (a token batch x.T): read in place for N <= 4
+        lambda K, N: torch.randn(K, 2 * N)[:, ::2],  # no unit stride: copied
+        lambda K, N: torch.randn(K, N + 3)[:, :N],  # row stride wider than N
+    ],
+    ids=["column-major", "strided", "padded-rows"],
+)
+def test_non_contiguous_dense_few_columns(product_path, N, make_dense):
+    bsr = random_bsr((48, 64), (16, 16), 0.5, generator=torch.Generator().manual_seed(N))
+    dense = make_dense(64, N)
+    assert_close(product_path.mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=64)
+
+
+def test_large_non_contiguous_operands(product_path):
+    bsr = random_bsr((256, 192), (32, 32), 0.3, empty_rows=(2,))
+    dense = torch.randn(300, 192).mT[:, 50:250]  # (192, 200) transposed and sliced
+    out = torch.empty(200, 256).mT
+    product_path.mm(bsr, dense, out=out)
+    assert_close(out, reference.bsr_dense_mm(bsr, dense), k=192)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -116,40 +185,63 @@ def test_non_contiguous_dense(backend, make_dense):
         lambda dt: torch.empty(32, 50, dtype=dt)[:, 5:45],  # row stride > N
     ],
 )
-def test_out_written_in_place(backend, dtype, make_out):
+def test_out_written_in_place(product_path, dtype, make_out):
+    product_path.skip_unsupported(dtype)
     bsr = random_bsr((32, 16), (8, 4), 0.5, dtype, empty_rows=(0,))
     dense = torch.randn(16, 40).to(dtype)
     out = make_out(dtype)
     out.fill_(float("nan"))  # every element must be written
-    got = bsrkit.bsr_dense_mm(bsr, dense, out=out)
+    got = product_path.mm(bsr, dense, out=out)
     assert got is out
     assert_close(out, reference.bsr_dense_mm(bsr, dense), k=16)
 
 
-def test_batched_bsr_with_non_contiguous_batched_out(backend):
+def test_batched_bsr_with_non_contiguous_batched_out(product_path):
     bsr = random_bsr((2, 16, 8), (4, 4), 0.5)
     dense = torch.randn(2, 8, 6)
     out = torch.empty(6, 2, 16).permute(1, 2, 0)
-    bsrkit.bsr_dense_mm(bsr, dense, out=out)
+    product_path.mm(bsr, dense, out=out)
     assert_close(out, reference.bsr_dense_mm(bsr, dense), k=8)
 
 
 @pytest.mark.parametrize("M,K,N", [(0, 8, 4), (8, 0, 4), (8, 8, 0)])
-def test_zero_sizes(backend, M, K, N):
+def test_zero_sizes(product_path, M, K, N):
     bsr = torch.zeros(M, K).to_sparse_bsr((4, 4) if M and K else (1, 1))
-    out = bsrkit.bsr_dense_mm(bsr, torch.randn(K, N))
+    out = product_path.mm(bsr, torch.randn(K, N))
     assert out.shape == (M, N)
     assert not out.any()
     inp = torch.randn(M, N)
-    assert torch.equal(bsrkit.bsr_dense_addmm(inp, bsr, torch.randn(K, N), beta=2), 2 * inp)
+    assert torch.equal(product_path.addmm(inp, bsr, torch.randn(K, N), beta=2), 2 * inp)
 
 
-def test_nnz_zero_writes_zeros(backend):
+def test_nnz_zero_writes_zeros(product_path):
     bsr = random_bsr((16, 16), (4, 4), 0.0)
     assert bsr._nnz() == 0
-    out = torch.full((16, 5), float("nan"))
-    bsrkit.bsr_dense_mm(bsr, torch.randn(16, 5), out=out)
-    assert not out.any()
+    for N in (3, 5):
+        out = torch.full((16, N), float("nan"))
+        product_path.mm(bsr, torch.randn(16, N), out=out)
+        assert not out.any()
+    empty = torch.sparse_bsr_tensor(
+        torch.zeros(5, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(0, 8, 8),
+        size=(32, 16),
+    )  # every block row empty
+    for N in (1, 5):
+        out = torch.full((32, N), float("nan"))
+        assert torch.equal(product_path.mm(empty, torch.randn(16, N), out=out), torch.zeros(32, N))
+
+
+def test_transposed_product(product_path):
+    """``bsr_transposed_dense_mm``: blocks reach the loops column-major (the CPU's broadcast loop)."""
+    bsr = random_bsr((64, 32), (16, 8), 0.5, generator=torch.Generator().manual_seed(5))
+    for N in (1, 4, 16):
+        dense = torch.randn(64, N)
+        got = product_path.transposed_mm(bsr, dense)
+        assert_close(got, reference.bsr_transposed_dense_mm(bsr, dense), k=64)
+    bsr = random_bsr((12, 20), (3, 5), 0.5, torch.float64, integers=True)
+    dense = torch.randint(-3, 4, (12, 6)).double()
+    assert torch.equal(product_path.transposed_mm(bsr, dense), reference.bsr_transposed_dense_mm(bsr, dense))
 
 
 def test_meta_override_and_threads(monkeypatch):
@@ -187,14 +279,14 @@ def test_work_split_writes_every_tile_exactly_once(monkeypatch):
         assert torch.equal(bsrkit.bsr_dense_addmm(inp, bsr, dense, meta=meta), ref_add), meta
 
 
-def test_in_place_index_change_is_never_stale(backend):
+def test_in_place_index_change_is_never_stale(product_path):
     dense_a = torch.zeros(8, 8)
     dense_a[:4, :4] = 1.0
     bsr = dense_a.to_sparse_bsr((4, 4))
     x = torch.randn(8, 3)
-    assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x))
+    assert_close(product_path.mm(bsr, x), reference.bsr_dense_mm(bsr, x))
     bsr.col_indices()[0] = 1  # move the block to block column 1
-    assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x))
+    assert_close(product_path.mm(bsr, x), reference.bsr_dense_mm(bsr, x))
 
 
 def test_plan_cache_entry_dies_with_the_bsr(monkeypatch):
@@ -258,7 +350,9 @@ def test_errors_name_the_argument():
             del os.environ["BSRKIT_BACKEND"]
 
 
-def test_concurrent_products_from_threads(backend):
+# (not in Triton's interpreter: it is not thread-safe, and a GPU would test the driver, not bsrkit)
+@pytest.mark.parametrize("product_path", product_paths("cpu-gemm", "cpu-small-n", "torch"), indirect=True)
+def test_concurrent_products_from_threads(product_path):
     import threading
 
     bsr = random_bsr((64, 64), (8, 8), 0.5, empty_rows=(1,))
@@ -270,7 +364,7 @@ def test_concurrent_products_from_threads(backend):
     def work(i):
         barrier.wait()
         for _ in range(5):
-            results[i] = bsrkit.bsr_dense_mm(bsr, xs[i])
+            results[i] = product_path.mm(bsr, xs[i])
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
     for t in threads:
@@ -288,15 +382,15 @@ def test_out_sharing_memory_with_dense_is_refused():
         bsrkit.bsr_dense_mm(bsr, d, out=d)
 
 
-def test_bsr_made_in_inference_mode(backend):
+def test_bsr_made_in_inference_mode(product_path):
     """Inference tensors have no version counter: products on them run uncached, and are right."""
     with torch.inference_mode():
         bsr = random_bsr((32, 24), (8, 4), 0.5, empty_rows=(1,))
         dense = torch.randn(24, 10)
-        got = bsrkit.bsr_dense_mm(bsr, dense)
+        got = product_path.mm(bsr, dense)
         ref = reference.bsr_dense_mm(bsr, dense)
         assert_close(
-            bsrkit.bsr_transposed_dense_mm(bsr, got),
+            product_path.transposed_mm(bsr, got),
             reference.bsr_dense_mm(bsr.to_dense().mT.to_sparse_bsr((4, 8)), ref),
             k=32,
         )

@@ -1,8 +1,5 @@
 """scatter_mm, bsr_scatter_mm and their indices data, against torch's layout and the reference."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.sparse._triton_ops as torch_ops
@@ -10,7 +7,7 @@ import torch.sparse._triton_ops as torch_ops
 import bsrkit
 from bsrkit import reference
 from bsrkit.backends import BACKENDS
-from helpers import assert_close, random_bsr
+from helpers import assert_close, backends, random_bsr, run_python
 
 FORMATS = ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"]
 
@@ -123,18 +120,16 @@ def test_import_is_lean():
         "assert 'numba' not in sys.modules, 'numba'; "
         "assert not torch.cuda.is_initialized(), 'cuda'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(code, timeout=120)
 
 
 # -- the compiled CPU kernel (and the torch backend beside it) -------------------------------------------
 
 
-@pytest.fixture(params=["cpu", "torch"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("BSRKIT_BACKEND", request.param)
-    return request.param
+CPU_AND_TORCH = pytest.mark.parametrize("backend", backends("cpu", "torch"), indirect=True)
 
 
+@CPU_AND_TORCH
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
@@ -156,6 +151,7 @@ def test_bsr_scatter_mm_every_format(backend, fmt, dtype, shape, blocksize, N, b
     torch.testing.assert_close(out, reference.bsr_scatter_mm(bsr, other), rtol=0, atol=0)
 
 
+@CPU_AND_TORCH
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bsr_scatter_mm_torch_indices_data_and_nnz_zero(backend, fmt):
     bsr = random_bsr((64, 64), (16, 16), 0.5, empty_rows=(0, 3))
@@ -168,6 +164,7 @@ def test_bsr_scatter_mm_torch_indices_data_and_nnz_zero(backend, fmt):
     assert torch.equal(bsrkit.bsr_scatter_mm(empty, other, data, out=out), torch.zeros(2, 64, 64))
 
 
+@CPU_AND_TORCH
 @pytest.mark.parametrize("fmt", FORMATS[:2])
 def test_scatter_mm_strided_non_contiguous_operands(backend, fmt):
     bsr = random_bsr((32, 48), (8, 16), 0.5, empty_rows=(2,))
@@ -180,6 +177,7 @@ def test_scatter_mm_strided_non_contiguous_operands(backend, fmt):
     assert_close(acc, expected, k=48)
 
 
+@CPU_AND_TORCH
 def test_scatter_mm_hand_made_indices_non_contiguous(backend):
     blocks = torch.randn(8, 5, 4, dtype=torch.float64)[::2]  # (4, 5, 4), every other block
     others = torch.randn(7, 3, 4, dtype=torch.float64).mT  # (7, 4, 3)
@@ -191,6 +189,7 @@ def test_scatter_mm_hand_made_indices_non_contiguous(backend):
     assert_close(bsrkit.scatter_mm(blocks, others, data, accumulators=acc), expected, k=4)
 
 
+@CPU_AND_TORCH
 def test_scatter_mm_overlapping_hand_made_tiles(backend):
     """Tiles that overlap (off the grid, or twice at one place) still sum exactly."""
     blocks = torch.randint(-3, 4, (3, 4, 4)).double()
@@ -208,6 +207,7 @@ def test_scatter_mm_overlapping_hand_made_tiles(backend):
     )
 
 
+@CPU_AND_TORCH
 def test_scatter_mm_accumulators_sharing_memory(backend):
     """Accumulators that overlap an input still get the products of the inputs as they were."""
     blocks = torch.randn(2, 4, 4)
@@ -256,6 +256,7 @@ def test_cpu_plan_joins_split_n_panels():
     assert plans.cpu_scatter_plan(data, 128, 16, 16, 256).tiles.shape[0] == 32  # plain stacks: no join
 
 
+@CPU_AND_TORCH
 @pytest.mark.parametrize("blocksize", [(1, 1), (1, 3), (2, 1)])
 def test_bsr_scatter_mm_thin_blocks_join_correctly(backend, blocksize):
     """Tiles one row or column wide (strides of size-1 dims are arbitrary) join into valid gemms."""

@@ -1,16 +1,14 @@
-"""The Triton kernels, run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, see conftest)."""
+"""The Triton kernels, run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, see conftest). The
+product suite runs on this backend too, as the ``triton`` product path (tests/test_products.py)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import bsrkit
 from bsrkit import reference, tuning
-from helpers import assert_close, random_bsr
+from helpers import assert_close, random_bsr, run_python
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
@@ -23,49 +21,6 @@ DTYPES = [torch.float32, torch.float64, torch.float16]
 @pytest.fixture(autouse=True)
 def triton_backend(monkeypatch):
     monkeypatch.setenv("BSRKIT_BACKEND", "triton")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "M,K,N,bs,er", [(24, 20, 33, (6, 4), (1,)), (32, 48, 40, (16, 8), ()), (8, 8, 5, (1, 1), (0, 3))]
-)
-def test_bsr_dense_mm(dtype, M, K, N, bs, er):
-    bsr = random_bsr((M, K), bs, 0.5, dtype, empty_rows=er)
-    dense = torch.randn(K, N).to(dtype)
-    assert_close(bsrkit.bsr_dense_mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=K)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_addmm_batched_broadcast_non_contiguous(dtype):
-    bsr = random_bsr((2, 24, 20), (6, 4), 0.5, dtype, empty_rows=(0,))
-    dense = torch.randn(20, 2, 17).to(dtype).permute(1, 0, 2)  # batched, batch stride not outermost
-    inp = torch.randn(17).to(dtype)
-    out = torch.empty(2, 17, 24, dtype=dtype).mT  # column-major out
-    got = bsrkit.bsr_dense_addmm(inp, bsr, dense, beta=0.5, alpha=-2.0, out=out)
-    assert got is out
-    assert_close(
-        out, reference.bsr_dense_addmm(inp.expand(2, 24, 17), bsr, dense, beta=0.5, alpha=-2.0), k=20
-    )
-
-
-def test_large_non_contiguous_operands():
-    bsr = random_bsr((256, 192), (32, 32), 0.3, empty_rows=(2,))
-    dense = torch.randn(300, 192).mT[:, 50:250]  # (192, 200) transposed and sliced
-    out = torch.empty(200, 256).mT
-    bsrkit.bsr_dense_mm(bsr, dense, out=out)
-    assert_close(out, reference.bsr_dense_mm(bsr, dense), k=192)
-
-
-def test_nnz_zero_and_transposed_product():
-    empty = random_bsr((16, 16), (4, 4), 0.0)
-    out = torch.full((16, 3), float("nan"))
-    bsrkit.bsr_dense_mm(empty, torch.randn(16, 3), out=out)
-    assert not out.any()
-    bsr = random_bsr((12, 20), (3, 5), 0.5, torch.float64, integers=True)
-    dense = torch.randint(-3, 4, (12, 6)).double()
-    assert torch.equal(
-        bsrkit.bsr_transposed_dense_mm(bsr, dense), reference.bsr_transposed_dense_mm(bsr, dense)
-    )
 
 
 @pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])
@@ -185,10 +140,7 @@ def test_kernels_compile_for_sm90_without_spills():
         " for k, f in KERNELS.items()}\n"
         "print(json.dumps({'rows': rows, 'alpha': alpha}))\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = run_python(script, env={"TRITON_INTERPRET": "0"}, timeout=600).json()
     for kernel, dtype, bs, r in report["rows"]:
         assert r["stack_bytes"] == 0 and r["local_bytes"] == 0, (kernel, dtype, bs, r)
         assert r["shared_bytes"] <= 227 * 1024, (kernel, dtype, bs, r)

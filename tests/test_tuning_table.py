@@ -3,8 +3,6 @@ thread counts are bounded by the machine, concurrent writers serialise, unwritab
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -14,7 +12,7 @@ import torch
 import bsrkit
 from bsrkit import reference, tuning
 from bsrkit.cli import main
-from helpers import assert_close, random_bsr
+from helpers import assert_close, finish_python, random_bsr, start_python
 
 SHAPE, BLOCKS = (32, 32, 8), (8, 8)
 
@@ -90,13 +88,9 @@ _WRITER = textwrap.dedent(
 
 def test_concurrent_writers_lose_nothing(tmp_path):
     table = tmp_path / "t.json"
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _WRITER, str(table), f"w{w}"], stderr=subprocess.PIPE)
-        for w in range(4)
-    ]
+    procs = [start_python(["-c", _WRITER, table, f"w{w}"]) for w in range(4)]
     for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err.decode()[-2000:]
+        finish_python(p, timeout=120)
     entries = json.loads(table.read_text())["entries"]
     assert len(entries) == 160
     assert not list(tmp_path.glob(".tuning-*"))
