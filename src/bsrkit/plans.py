@@ -50,9 +50,6 @@ class CpuMMPlan(NamedTuple):
     crow: np.ndarray  # (batches, block_rows + 1)
     col: np.ndarray  # (batches, nnz)
     cost: np.ndarray  # (batches, block_rows + 1) float64: cost of rows 0..r-1, in blocks
-    # The backend's marshaled kernel arguments per call signature (operand layouts, scalars), so that a
-    # repeated call only patches the data addresses; they live and die with the plan.
-    calls: dict[Any, Any]
 
 
 class CpuScatterPlan(NamedTuple):
@@ -255,7 +252,7 @@ def _build_cpu_mm(source: Source, transposed_block_cols: int) -> CpuMMPlan:
     cost = crow.diff(dim=1).to(torch.float64) + _ROW_OVERHEAD_BLOCKS
     cum = torch.cat([cost.new_zeros(cost.shape[0], 1), cost.cumsum(1)], dim=1)
     # Copies (not views) of the indices: a plan must not hold a view of a source tensor.
-    return CpuMMPlan(crow.clone().numpy(), col.clone().numpy(), cum.numpy(), {})
+    return CpuMMPlan(crow.clone().numpy(), col.clone().numpy(), cum.numpy())
 
 
 def _build_rows(source: Source) -> torch.Tensor:

@@ -63,48 +63,18 @@ _SMALL_N_MAX = 16
 # already uses every worker thread, so serialising calls costs little.
 _KERNEL_LOCK = threading.Lock()
 
-# Marshaled argument records kept per plan (one per call signature; see CpuBackend.addmm).
-_PREPARED_CALLS = 8
-
-
-def _marshal_signature(
-    values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, *rest: Any
-) -> tuple[Any, ...]:
-    """Everything a product's marshaled arguments depend on but the data addresses: the operands'
-    shapes, strides, offsets and dtype, and ``rest`` (the path, batch, scalars, parameters)."""
-    return (
-        values.shape, values.stride(), values.storage_offset(),
-        dense.shape, dense.stride(), dense.storage_offset(),
-        out.shape, out.stride(), out.storage_offset(), out.dtype, *rest,
-    )  # fmt: skip
-
-
 # A prepared call: ``rerun(values, dense, out)`` runs a product with the layouts it was prepared for.
 Rerun = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-def _run_kept(
-    plan: plans.CpuMMPlan, signature: tuple[Any, ...], values: torch.Tensor, dense: torch.Tensor,
-    out: torch.Tensor,
-) -> Rerun | None:  # fmt: skip
-    """Run the call kept for ``signature`` with this call's data addresses and return it; None when none
-    is kept (on a tiny product the marshaling is most of a call's cost)."""
-    rerun = plan.calls.get(signature)
-    if rerun is not None:
-        rerun(values, dense, out)
-    return rerun
-
-
-def _keep(
-    kernel: Any, plan: plans.CpuMMPlan, signature: tuple[Any, ...], full_args: Any,
-    values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor,
-) -> Rerun:  # fmt: skip
-    """Keep the prepared record ``full_args`` for :func:`_run_kept` as a call that patches in the data
-    addresses (each relative to its operand's data: the operands were passed uncopied, so their storages
-    are the ones addressed) and return it. A serial call keeps the packed block of its C entry (see
-    ``compiled.entries.PackedEntry``), which addresses the arrays of ``full_args``: the call holds both."""
-    if len(plan.calls) >= _PREPARED_CALLS:
-        plan.calls.clear()
+def _prepared(
+    kernel: Any, full_args: Any, values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor
+) -> Rerun:
+    """The prepared call of the marshaled record ``full_args``: it patches in the data addresses (each
+    relative to its operand's data: the operands were passed uncopied, so their storages are the ones
+    addressed). A serial call holds the packed block of its C entry (see
+    ``compiled.entries.PackedEntry``), which addresses the arrays of ``full_args``: the call holds both.
+    The caller keeps it (:mod:`bsrkit.shortcuts`); the backend does not."""
     a_addr, b_addr, c_addr = kernels.data_addresses(full_args)
     values_at = values.data_ptr() - a_addr
     dense_at = dense.data_ptr() - b_addr
@@ -135,7 +105,6 @@ def _keep(
             )
             _run(run_prepared, nthreads, args)
 
-    plan.calls[signature] = rerun
     return rerun
 
 
@@ -306,10 +275,6 @@ def _addmm_small(
     values = a.values
     kernel = kernels.bsr_mm_small_kernel()
     plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
-    signature = _marshal_signature(values, dense, out, "small", batch, alpha, overwrite, nthreads)
-    rerun = _run_kept(plan, signature, values, dense, out)
-    if rerun is not None:
-        return rerun
     N = dense.shape[-1]
     Ms, Ks = values.shape[-2:]
     K = dense.shape[-2]
@@ -351,7 +316,7 @@ def _addmm_small(
     )  # fmt: skip
     full_args = kernel.prepare(args)
     if x.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr():  # (dense was not copied)
-        rerun = _keep(kernel, plan, signature, full_args, values, dense, out)
+        rerun = _prepared(kernel, full_args, values, dense, out)
         rerun(values, dense, out)
         return rerun
     _run(kernel.run_prepared, nthreads, full_args)
@@ -418,15 +383,7 @@ class CpuBackend:
             return _addmm_small(a, dense, out, batch, alpha, overwrite, params["nthreads"])
         kernel = kernels.bsr_mm_kernel()
         plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
-        # A call like an earlier one (same layouts, scalars, parameters) reuses its marshaled arguments,
-        # with the data addresses patched: this is most of a small product's cost.
         values = a.values
-        signature = _marshal_signature(
-            values, dense, out, batch, alpha, overwrite, params["panel"], params["nthreads"]
-        )
-        rerun = _run_kept(plan, signature, values, dense, out)
-        if rerun is not None:
-            return rerun
         Ms, Ks = values.shape[-2:]
         values, a_rowmajor, lda = _blas_operand(values)
         original_dense = dense
@@ -458,7 +415,7 @@ class CpuBackend:
         )  # fmt: skip
         full_args = kernel.prepare(args)
         if values is a.values and dense is original_dense and target is out:  # (no copies were needed)
-            rerun = _keep(kernel, plan, signature, full_args, values, dense, out)
+            rerun = _prepared(kernel, full_args, values, dense, out)
             rerun(values, dense, out)
             return rerun
         _run(kernel.run_prepared, nthreads, full_args)
