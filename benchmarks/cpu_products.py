@@ -17,7 +17,7 @@ import warnings
 import torch
 
 import bsrkit
-from bsrkit import plans
+from bsrkit.backends.cpu import planning
 from bsrkit.benchmarking import median_seconds, random_bsr_weight
 from bsrkit.operand import Operand
 
@@ -62,11 +62,11 @@ def main() -> None:
     # validates the pattern (a cached verdict) and fetches the CPU plan: two lookups on one key.
     bsr, _ = random_bsr_weight(4096, 32, 0.1, seed=7)
     Operand.of(bsr)
-    plans.cpu_mm_plan(bsr)
-    hit = min(timeit.repeat(lambda: plans.cpu_mm_plan(bsr), number=2000, repeat=5)) / 2000
+    planning.cpu_mm_plan(bsr)
+    hit = min(timeit.repeat(lambda: planning.cpu_mm_plan(bsr), number=2000, repeat=5)) / 2000
     # What a product adds: it fetches the members anyway and builds the key from them.
     in_product = (
-        min(timeit.repeat(lambda: plans.cpu_mm_plan(Operand.of(bsr).source), number=2000, repeat=5)) / 2000
+        min(timeit.repeat(lambda: planning.cpu_mm_plan(Operand.of(bsr).source), number=2000, repeat=5)) / 2000
     )
     checks, misses = [], []
     for _ in range(5):
@@ -74,7 +74,7 @@ def main() -> None:
         t0 = time.perf_counter()
         a = Operand.of(bsr)  # the validation (crow, col read once)
         t1 = time.perf_counter()
-        plans.cpu_mm_plan(a.source)
+        planning.cpu_mm_plan(a.source)
         checks.append(t1 - t0)
         misses.append(time.perf_counter() - t0)
     x = torch.randn(4096, 4096)

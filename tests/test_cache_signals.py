@@ -22,6 +22,7 @@ STRESS = textwrap.dedent(
     import torch
     import bsrkit
     from bsrkit import TensorKey, plans, reference, weak_lru_cache
+    from bsrkit.backends.cpu import planning
     from bsrkit.cache import _nbytes, _value_arrays
 
     DURATION, SEED = float(sys.argv[1]), int(sys.argv[2])
@@ -59,7 +60,7 @@ STRESS = textwrap.dedent(
         for _ in range(2):  # rebuilt with new values: plan hits
             b = torch.sparse_bsr_tensor(crow, col, torch.randn(col.shape[0], 2, 2), size=(8, 8))
             key = TensorKey(b, members=(crow, col, b.values()))
-            plans.cpu_mm_plan(key), plans.transpose_plan(key, 4), plans.block_rows(key)
+            planning.cpu_mm_plan(key), plans.transpose_plan(key, 4), plans.block_rows(key)
         y = torch.randn(8, 3)
         out = bsrkit.bsr_dense_mm(b, y)  # BSRKIT_BACKEND=torch: no kernel compilation
         assert torch.allclose(out, reference.bsr_dense_mm(b, y), atol=1e-5)

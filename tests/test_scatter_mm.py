@@ -240,20 +240,20 @@ def test_cpu_backend_runs_the_compiled_kernel(monkeypatch, fmt, dtype):
 
 def test_cpu_plan_joins_split_n_panels():
     """torch's SPLIT_N panels of one block row become one wide gemm tile; empty rows one zero tile."""
-    from bsrkit import plans
+    from bsrkit.backends.cpu import planning
 
     bsr = random_bsr((64, 64), (16, 16), 0.5, empty_rows=(2,))
     other = torch.randn(64, 128)
     for fmt in FORMATS[:2]:
         data = torch_ops.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt, SPLIT_N=8)
-        plan = plans.cpu_scatter_plan(data, 128, 16, 16, 256, grid_rows=4)
+        plan = planning.cpu_scatter_plan(data, 128, 16, 16, 256, grid_rows=4)
         assert plan.tiles.shape[0] == 4 and plan.covers and plan.disjoint
         assert plan.tasks[:, 2].tolist() == [128] * 4
         assert plan.pairs.shape[0] == bsr._nnz()  # one gemm per block, as bsr_dense_mm
     data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format="scatter_mm")
-    plan = plans.cpu_scatter_plan(data, 128, 16, 16, 256, tiling=(4, 8, 4, 16, 16))
+    plan = planning.cpu_scatter_plan(data, 128, 16, 16, 256, tiling=(4, 8, 4, 16, 16))
     assert plan.tiles.shape[0] == 4 and plan.tasks[:, 2].tolist() == [128] * 4
-    assert plans.cpu_scatter_plan(data, 128, 16, 16, 256).tiles.shape[0] == 32  # plain stacks: no join
+    assert planning.cpu_scatter_plan(data, 128, 16, 16, 256).tiles.shape[0] == 32  # plain stacks: no join
 
 
 @CPU_AND_TORCH

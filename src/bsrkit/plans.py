@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from bsrkit.cache import CacheInfo, weak_lru_cache
@@ -23,49 +22,19 @@ from bsrkit.keys import TensorKey
 from bsrkit.validation import indices_data_defect, pattern_defect
 
 __all__ = [
-    "CpuMMPlan",
-    "CpuScatterPlan",
     "MalformedPatternError",
     "Pattern",
     "TransposePlan",
     "block_rows",
     "cache_clear",
     "cache_info",
+    "cached",
     "check_indices_data",
     "check_pattern",
-    "cpu_mm_plan",
-    "cpu_scatter_plan",
-    "scatter_mm_indices",
+    "indices",
+    "register",
     "transpose_plan",
 ]
-
-# Cost of a block row in "multiply-adds", beyond its blocks: loop and panel overhead.
-_ROW_OVERHEAD_BLOCKS = 0.05
-
-
-class CpuMMPlan(NamedTuple):
-    """What the CPU kernel needs: int64 indices, and per batch the prefix sums of the block rows' costs
-    (the kernel cuts its work into runs of equal cost with them)."""
-
-    crow: np.ndarray  # (batches, block_rows + 1)
-    col: np.ndarray  # (batches, nnz)
-    cost: np.ndarray  # (batches, block_rows + 1) float64: cost of rows 0..r-1, in blocks
-
-
-class CpuScatterPlan(NamedTuple):
-    """``scatter_mm`` indices data of any format as the gemm list the CPU kernel walks.
-
-    Output tiles are ``(Ms x width)`` at (matrix, row, column) of the accumulators; each sums its pairs
-    ``blocks[p] @ others[matrix, row:row+Ks, column:column+width]``. Tiles of the ``bsr_strided_mm*``
-    formats that sit side by side with the same blocks and others shifted by the same columns (torch's
-    ``SPLIT_N`` panels of one block row) are one wide tile; tasks cut tiles into column panels."""
-
-    tiles: np.ndarray  # (T, 5) int64: matrix, row, column, first pair, end pair
-    pairs: np.ndarray  # (G, 4) int64: block p, others matrix, row, column
-    tasks: np.ndarray  # (S, 3) int64: tile, column offset inside it, width; panel-major
-    cost: np.ndarray  # (S + 1,) float64: prefix sums of the tasks' costs, in (Ms x Ks x panel) gemms
-    disjoint: bool  # no two tiles overlap: tasks may run in parallel
-    covers: bool  # disjoint, and every accumulator element is in a tile (tiles without pairs included)
 
 
 class TransposePlan(NamedTuple):
@@ -81,12 +50,28 @@ class TransposePlan(NamedTuple):
 # (BSRLinear's buffers, the custom ops under torch.compile).
 Source = Any
 
-_BUILDERS: dict[str, Callable[..., Any]]  # filled at the end of the module
+# plan name -> its builder: this module's (at its end), and those a backend or the scatter module
+# registers (:func:`register`); all share one cache, so one bound and one freshness rule cover them.
+_BUILDERS: dict[str, Callable[..., Any]] = {}
 
 
 @weak_lru_cache(maxsize=256, verify_contents=True)
-def _plan(kind: str, source: Source, *params: Any) -> Any:
-    return _BUILDERS[kind](source, *params)
+def _plan(name: str, source: Source, *params: Any) -> Any:
+    return _BUILDERS[name](source, *params)
+
+
+def register(name: str, builder: Callable[..., Any]) -> None:
+    """Add the plan ``name``, built by ``builder(source, *params)`` (a deterministic function of the
+    source's index data and ``params``, never holding a view of the source), to the shared cache."""
+    if _BUILDERS.get(name, builder) is not builder:
+        raise ValueError(f"plans.register(): expected a new plan name, got {name!r} (already registered)")
+    _BUILDERS[name] = builder
+
+
+def cached(name: str, source: Source, *params: Any) -> Any:
+    """The plan ``name`` (see :func:`register`) of ``source`` with ``params``: built once, then served
+    while the index memory lives and holds the same bytes."""
+    return _plan(name, source, *params)
 
 
 def cache_info() -> CacheInfo:
@@ -157,44 +142,6 @@ def check_indices_data(
     _plan("check_indices", indices_data[0], tensors, split_n, P, Ms, Ks, tuple(others), tuple(acc))
 
 
-def cpu_scatter_plan(
-    indices_data: tuple[Any, ...],
-    N: int,
-    Ms: int,
-    Ns: int,
-    panel: int,
-    grid_rows: int = 0,
-    tiling: tuple[int, ...] = (),
-) -> CpuScatterPlan:
-    """The CPU kernel's gemm list for validated ``indices_data`` (see :class:`CpuScatterPlan`), cached on
-    the index tensors: ``N`` is ``others.shape[-1]`` and ``Ns`` the tile width (``N // SPLIT_N``, or
-    ``others.shape[-1]`` in the ``scatter_mm`` format); tasks are at most ``panel`` columns wide. For the
-    strided formats, ``grid_rows`` = ``M // Ms`` (0: unknown) lets the plan cover the accumulators. In
-    the ``scatter_mm`` format, ``tiling = (KB, NB, MB, Ks, Ns)`` says that others and accumulators are
-    the (Ks x Ns) and (Ms x Ns) tiles of batched matrices, indexed (batch, block row, tile column)."""
-    fmt = indices_data[0]
-    tensors = tuple(t for t in indices_data[1:] if isinstance(t, torch.Tensor))
-    split_n = 0 if fmt == "scatter_mm" else indices_data[-1]["SPLIT_N"]
-    if fmt == "scatter_mm":
-        N = 0  # (unused: keeps one entry per tile width)
-    if any(t.is_inference() for t in tensors):  # no version counter to key on
-        return _build_cpu_scatter(fmt, tensors, split_n, N, Ms, Ns, panel, grid_rows, tiling)
-    return _plan("cpu_scatter", fmt, tensors, split_n, N, Ms, Ns, panel, grid_rows, tiling)
-
-
-def cpu_mm_plan(source: Source, transposed_block_cols: int = 0, pattern: Pattern | None = None) -> CpuMMPlan:
-    """Kernel plan for ``source`` (or, with ``transposed_block_cols`` = its block-column count > 0, for
-    its transpose). ``pattern``: the source's verdict (:func:`check_pattern`), which keeps the plan once
-    fetched, so that later products skip a second cache lookup."""
-    if pattern is None:
-        return _plan("cpu_mm", source, transposed_block_cols)
-    plan = pattern.plans.get(("cpu_mm", transposed_block_cols))
-    if plan is None:
-        plan = _plan("cpu_mm", source, transposed_block_cols)
-        pattern.plans[("cpu_mm", transposed_block_cols)] = plan
-    return plan
-
-
 def transpose_plan(source: Source, block_cols: int) -> TransposePlan:
     return _plan("transpose", source, block_cols)
 
@@ -204,13 +151,7 @@ def block_rows(source: Source) -> torch.Tensor:
     return _plan("rows", source)
 
 
-def scatter_mm_indices(
-    bsr: torch.Tensor, indices_format: str, N: int, nbatches: int, split_n: int
-) -> tuple[Any, ...]:
-    return _plan("scatter_mm", bsr, indices_format, N, nbatches, split_n)
-
-
-def _indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
+def indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
     """(crow, col) of a source, flattened to (batches, -1), int64."""
     if isinstance(source, TensorKey):
         source = source.obj
@@ -242,21 +183,8 @@ def _check_indices_from_key(fmt: str, tensors: tuple[torch.Tensor, ...], split_n
     return _build_check_indices((fmt, *tensors, *meta), *extents)
 
 
-def _build_cpu_mm(source: Source, transposed_block_cols: int) -> CpuMMPlan:
-    if transposed_block_cols:
-        t = transpose_plan(source, transposed_block_cols)
-        crow, col = t.crow, t.col
-    else:
-        crow, col = _indices(source)
-    # A row costs its gemms plus a small overhead (an empty row still has its tile zeroed).
-    cost = crow.diff(dim=1).to(torch.float64) + _ROW_OVERHEAD_BLOCKS
-    cum = torch.cat([cost.new_zeros(cost.shape[0], 1), cost.cumsum(1)], dim=1)
-    # Copies (not views) of the indices: a plan must not hold a view of a source tensor.
-    return CpuMMPlan(crow.clone().numpy(), col.clone().numpy(), cum.numpy())
-
-
 def _build_rows(source: Source) -> torch.Tensor:
-    crow, _ = _indices(source)
+    crow, _ = indices(source)
     nnz = int(crow[0, -1]) if crow.numel() else 0
     # Block g lies in row r where crow[r] <= g < crow[r + 1].
     return torch.searchsorted(
@@ -267,7 +195,7 @@ def _build_rows(source: Source) -> torch.Tensor:
 
 
 def _build_transpose(source: Source, block_cols: int) -> TransposePlan:
-    crow, col = _indices(source)
+    crow, col = indices(source)
     B, nnz = col.shape
     block_rows_ = crow.shape[1] - 1
     rows = block_rows(source)
@@ -282,206 +210,6 @@ def _build_transpose(source: Source, block_cols: int) -> TransposePlan:
     return TransposePlan(perm, crow_t, col_t)
 
 
-def _build_scatter_mm(
-    bsr: torch.Tensor, indices_format: str, N: int, nbatches: int, split_n: int
-) -> tuple[Any, ...]:
-    """The ``indices_data`` of ``torch.sparse._triton_ops.bsr_scatter_mm_indices_data``, vectorized.
-
-    The layout (and dtypes) match torch's exactly, so indices data from either library drive either
-    library's ``scatter_mm``.
-    """
-    crow, col = bsr.crow_indices(), bsr.col_indices()
-    M, K = bsr.shape[-2:]
-    Ms, Ks = bsr.values().shape[-2:]
-    device = crow.device
-    nnz = col.shape[0]
-    counts = crow.diff()
-    row_of = torch.repeat_interleave(torch.arange(M // Ms, device=device), counts)  # (nnz,)
-    within = torch.arange(nnz, device=device) - crow[:-1][row_of]  # position of block in its row
-
-    if indices_format in ("bsr_strided_mm_compressed", "bsr_strided_mm"):
-        Ns = N // split_n
-        n_off = torch.arange(split_n, dtype=torch.int32, device=device) * Ns
-        # Row m's chunk starts at split_n * crow[m]; inside it, item (n, i) sits at n * count + i.
-        pos = (
-            split_n * crow[:-1][row_of, None]
-            + torch.arange(split_n, device=device) * counts[row_of, None]
-            + within[:, None]
-        )
-        q_values = col[:, None] * (Ks * N) + n_off
-        q_offsets = torch.empty(nnz * split_n, dtype=q_values.dtype, device=device)
-        q_offsets[pos.reshape(-1)] = q_values.reshape(-1)
-        nonzero_rows = counts.nonzero()
-        r_offsets = (nonzero_rows * (Ms * N) + n_off).view(-1)
-        nnz_per_row = counts[nonzero_rows].repeat_interleave(split_n)
-        if indices_format == "bsr_strided_mm_compressed":
-            # Swizzle as torch does: output tiles with longer sums first.
-            order = nnz_per_row.sort(descending=True, stable=True).indices
-            # A copy of crow: a plan must not share memory with its source (it would keep it alive).
-            return (indices_format, crow.clone(), r_offsets[order], q_offsets)
-        p_values = torch.arange(nnz, dtype=torch.int32, device=device)[:, None].expand(nnz, split_n)
-        p_offsets = torch.empty(nnz * split_n, dtype=torch.int32, device=device)
-        p_offsets[pos.reshape(-1)] = p_values.reshape(-1)
-        c_indices = torch.cat((crow[:1], torch.cumsum(nnz_per_row, 0)))
-        return (indices_format, c_indices, r_offsets, p_offsets, q_offsets)
-
-    # "scatter_mm": one output tile per (batch, block row, Ms-wide column block).
-    Ns = Ms
-    NB = N // Ns
-    MB = M // Ms
-    tiles_m = torch.arange(MB, device=device).repeat_interleave(NB).repeat(nbatches)
-    tiles_n = torch.arange(NB, device=device).repeat(MB * nbatches)
-    tiles_b = torch.arange(nbatches, device=device).repeat_interleave(MB * NB)
-    tile_counts = counts[tiles_m]
-    c_indices = torch.cat((counts.new_zeros(1), tile_counts.cumsum(0))).to(torch.int32)
-    g_tile = torch.repeat_interleave(torch.arange(tiles_m.numel(), device=device), tile_counts)
-    t = torch.arange(g_tile.numel(), device=device) - c_indices[:-1].to(torch.int64)[g_tile]
-    p = crow[tiles_m[g_tile]] + t
-    q = (col[p] + tiles_b[g_tile] * (K // Ks)) * NB + tiles_n[g_tile]
-    pq = torch.stack((p, q), dim=1).to(torch.int32)
-    return (indices_format, c_indices, pq)
-
-
-# A tile's cost beyond its gemms (in gemms of a full panel): loop overhead.
-_TILE_OVERHEAD = 0.05
-
-
-def _scatter_tiles_and_pairs(
-    fmt: str, tensors: tuple[torch.Tensor, ...], split_n: int, N: int, Ms: int, tiling: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tiles (T, 3): matrix, row, column; counts (T,); pairs (G, 4): p, matrix, row, column), the pairs
-    of tile ``i`` following those of tiles ``0..i-1``: every format's loops written out."""
-    if fmt == "scatter_mm":
-        c_offsets, pq = (t.long() for t in tensors)
-        R = c_offsets.numel() - 1
-        counts = c_offsets.diff()
-        used = pq.reshape(-1, 2)[int(c_offsets[0]) : int(c_offsets[-1])] if R > 0 else pq.new_zeros(0, 2)
-        p, q, r = used[:, 0], used[:, 1], torch.arange(R)
-        if not tiling:  # matrix q of others, matrix r of the accumulators
-            zeros = torch.zeros_like(q)
-            pairs = torch.stack((p, q, zeros, zeros), dim=1)
-            tiles = torch.stack((r, torch.zeros_like(r), torch.zeros_like(r)), 1)
-            return tiles, counts, pairs
-        # Tiled stacks: q = (batch, block row, tile column) of an (*, KB * Ks, NB * Ns) matrix, r likewise
-        # of an (*, MB * Ms, NB * Ns) one: in (batch, row, column) coordinates side-by-side tiles join.
-        KB, NB, MB, Ks, Ns = tiling
-        pairs = torch.stack((p, q // (KB * NB), (q // NB) % KB * Ks, q % NB * Ns), dim=1)
-        tiles = torch.stack((r // (MB * NB), (r // NB) % MB * Ms, r % NB * Ns), dim=1)
-        return tiles, counts, pairs
-    c_indices, r_offsets, q_offsets = (t.long() for t in (tensors[0], tensors[1], tensors[-1]))
-    T = r_offsets.numel()
-    if fmt == "bsr_strided_mm":
-        counts = c_indices.diff()
-        g0, g1 = (int(c_indices[0]), int(c_indices[-1])) if T else (0, 0)
-        p = tensors[2].long()[g0:g1]
-        q = q_offsets[g0:g1]
-    else:  # "bsr_strided_mm_compressed"
-        Ns = N // split_n
-        m = (r_offsets // N) // Ms
-        n = (r_offsets % N) // Ns
-        c0, c1 = c_indices[m], c_indices[m + 1]
-        counts = c1 - c0
-        j = torch.repeat_interleave(torch.arange(T), counts)
-        i = torch.arange(j.numel()) - (torch.cumsum(counts, 0) - counts)[j]
-        p = c0[j] + i
-        q = q_offsets[n[j] * c1[j] + (split_n - n[j]) * c0[j] + i]
-    tiles = torch.stack((torch.zeros(T, dtype=torch.int64), r_offsets // N, r_offsets % N), dim=1)
-    pairs = torch.stack((p, torch.zeros_like(p), q // N, q % N), dim=1)
-    return tiles, counts, pairs
-
-
-def _build_cpu_scatter(
-    fmt: str,
-    tensors: tuple[torch.Tensor, ...],
-    split_n: int,
-    N: int,
-    Ms: int,
-    Ns: int,
-    panel: int,
-    grid_rows: int,
-    tiling: tuple[int, ...],
-) -> CpuScatterPlan:
-    tiles, counts, pairs = _scatter_tiles_and_pairs(fmt, tensors, split_n, N, Ms, tiling)
-    starts = torch.cumsum(counts, 0) - counts
-
-    def in_output_order() -> torch.Tensor:  # by (matrix, row, column)
-        if not tiles.shape[0]:
-            return torch.zeros(0, dtype=torch.int64)
-        span = tiles.max(0).values + 1
-        return ((tiles[:, 0] * span[1] + tiles[:, 1]) * span[2] + tiles[:, 2]).argsort(stable=True)
-
-    order = in_output_order()
-    tiles, counts, starts = tiles[order], counts[order], starts[order]
-    # Disjoint tiles: on the (Ms x Ns) grid, each position once (the scatter_mm format: one per matrix).
-    disjoint = bool(((tiles[:, 1] % Ms == 0) & (tiles[:, 2] % Ns == 0)).all()) and not bool(
-        (tiles[1:] == tiles[:-1]).all(1).any()
-    )
-    covers = disjoint and fmt == "scatter_mm"  # (every accumulator matrix is a tile: R of them)
-    if disjoint and grid_rows and fmt != "scatter_mm":  # the cells no tile writes, as empty tiles
-        present = torch.zeros(grid_rows * split_n, dtype=torch.bool)
-        present[(tiles[:, 1] // Ms) * split_n + tiles[:, 2] // Ns] = True
-        missing = (~present).nonzero().view(-1)
-        zeros = torch.zeros_like(missing)
-        tiles = torch.cat((tiles, torch.stack((zeros, missing // split_n * Ms, missing % split_n * Ns), 1)))
-        counts = torch.cat((counts, zeros))
-        starts = torch.cat((starts, zeros))
-        order = in_output_order()
-        tiles, counts, starts = tiles[order], counts[order], starts[order]
-        covers = True
-    T = tiles.shape[0]
-    # Tile i joins tile i - 1 when it sits Ns columns right of it, with the same count, the same blocks,
-    # and each pair's others Ns columns right of the other's.
-    joins = torch.zeros(T, dtype=torch.bool)
-    if T > 1:
-        cand = (
-            (tiles[1:, 0] == tiles[:-1, 0])
-            & (tiles[1:, 1] == tiles[:-1, 1])
-            & (tiles[1:, 2] == tiles[:-1, 2] + Ns)
-            & (counts[1:] == counts[:-1])
-        )
-        ci = cand.nonzero().view(-1) + 1  # candidate tiles
-        if ci.numel():
-            cc = counts[ci]
-            owner = torch.repeat_interleave(torch.arange(ci.numel()), cc)
-            k = torch.arange(owner.numel()) - (torch.cumsum(cc, 0) - cc)[owner]
-            here = pairs[starts[ci][owner] + k]
-            prev = pairs[starts[ci - 1][owner] + k]
-            prev[:, 3] += Ns
-            bad = torch.zeros(ci.numel(), dtype=torch.int64)
-            bad.index_add_(0, owner, (here != prev).any(1).long())
-            joins[ci] = bad == 0
-    group = torch.cumsum(~joins, 0) - 1  # group of each tile
-    first = (~joins).nonzero().view(-1)
-    widths = torch.zeros(first.numel(), dtype=torch.int64).index_add_(0, group, torch.full((T,), Ns))
-    gcounts = counts[first]
-    # Only the pairs of the groups' first tiles are read: keep those, in tile order.
-    owner = torch.repeat_interleave(torch.arange(first.numel()), gcounts)
-    gstarts = torch.cumsum(gcounts, 0) - gcounts
-    pairs = pairs[starts[first][owner] + torch.arange(owner.numel()) - gstarts[owner]]
-    out_tiles = torch.cat((tiles[first], gstarts[:, None], (gstarts + gcounts)[:, None]), dim=1)
-    # Tasks: each group cut into panels, panel-major (a worker's run reads few column panels of others).
-    npanels = (widths + panel - 1) // panel
-    tile_of = torch.repeat_interleave(torch.arange(first.numel()), npanels)
-    k = torch.arange(tile_of.numel()) - (torch.cumsum(npanels, 0) - npanels)[tile_of]
-    j0 = k * panel
-    w = torch.minimum(widths[tile_of] - j0, torch.tensor(panel))
-    order = (k * max(first.numel(), 1) + tile_of).argsort()
-    tasks = torch.stack((tile_of, j0, w), dim=1)[order]
-    cost = gcounts[tasks[:, 0]].to(torch.float64) * tasks[:, 2] / panel + _TILE_OVERHEAD
-    cum = torch.cat((cost.new_zeros(1), cost.cumsum(0)))
-    # Fresh arrays (never views of the index tensors: a plan must not pin its key).
-    return CpuScatterPlan(
-        np.array(out_tiles.numpy()), np.array(pairs.numpy()), np.array(tasks.numpy()), np.array(cum.numpy()),
-        disjoint, covers,
-    )  # fmt: skip
-
-
-_BUILDERS = {
-    "check": _build_check,
-    "check_indices": _check_indices_from_key,
-    "cpu_mm": _build_cpu_mm,
-    "cpu_scatter": _build_cpu_scatter,
-    "scatter_mm": _build_scatter_mm,
-    "transpose": _build_transpose,
-    "rows": _build_rows,
-}
+_BUILDERS.update(
+    check=_build_check, check_indices=_check_indices_from_key, transpose=_build_transpose, rows=_build_rows
+)

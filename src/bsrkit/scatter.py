@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from bsrkit import dispatch, plans, tuning
+from bsrkit import dispatch, plans
 from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
 from bsrkit.ops import checked_addmm
@@ -72,17 +72,17 @@ def bsr_scatter_mm_indices_data(
                 f"{op}(): the 'scatter_mm' format indexes the tiles of other with int32, but other has "
                 f"{tiles} tiles (> 2**31): use another indices_format"
             )
-        return plans.scatter_mm_indices(bsr, indices_format, N, nbatches, 0)
+        return _indices_data(bsr, indices_format, N, nbatches, 0)
     if bsr.col_indices().dtype == torch.int32 and K * N - 1 > _INT32_MAX:
         # The offsets into other take the indices' dtype (torch's layout); torch's own would wrap around.
         raise ValueError(
             f"{op}(): offsets into other reach K * N - 1 = {K * N - 1} > 2**31 - 1, which overflows bsr's "
             "int32 indices: give bsr int64 indices (crow_indices().long(), col_indices().long())"
         )
-    meta = tuning.scatter_mm_meta(M, K, N, Ms, Ks, **meta_input)
+    meta = scatter_mm_meta(M, K, N, Ms, Ks, **meta_input)
     if "allow_tf32" not in meta_input:  # as torch: TF32 dots for half types only
         meta["allow_tf32"] = bsr.dtype in (torch.float16, torch.bfloat16)
-    data = plans.scatter_mm_indices(bsr, indices_format, N, 0, meta["SPLIT_N"])
+    data = _indices_data(bsr, indices_format, N, 0, meta["SPLIT_N"])
     meta["is_compressed"] = indices_format == "bsr_strided_mm_compressed"
     return (*data, meta)
 
@@ -259,3 +259,151 @@ def bsr_scatter_mm(
     if copied:
         out.copy_(acc.view(out_shape))
     return out
+
+
+# -- torch's indices data: format and launch meta (one place; the CPU backend reads what it writes) -----
+
+
+def _indices_data(
+    bsr: torch.Tensor, indices_format: str, N: int, nbatches: int, split_n: int
+) -> tuple[Any, ...]:
+    """:func:`_build_scatter_mm`, cached on ``bsr``'s pattern in the shared plan cache."""
+    return plans.cached("scatter_mm", bsr, indices_format, N, nbatches, split_n)
+
+
+def _build_scatter_mm(
+    bsr: torch.Tensor, indices_format: str, N: int, nbatches: int, split_n: int
+) -> tuple[Any, ...]:
+    """The ``indices_data`` of ``torch.sparse._triton_ops.bsr_scatter_mm_indices_data``, vectorized.
+
+    The layout (and dtypes) match torch's exactly, so indices data from either library drive either
+    library's ``scatter_mm``.
+    """
+    crow, col = bsr.crow_indices(), bsr.col_indices()
+    M, K = bsr.shape[-2:]
+    Ms, Ks = bsr.values().shape[-2:]
+    device = crow.device
+    nnz = col.shape[0]
+    counts = crow.diff()
+    row_of = torch.repeat_interleave(torch.arange(M // Ms, device=device), counts)  # (nnz,)
+    within = torch.arange(nnz, device=device) - crow[:-1][row_of]  # position of block in its row
+
+    if indices_format in ("bsr_strided_mm_compressed", "bsr_strided_mm"):
+        Ns = N // split_n
+        n_off = torch.arange(split_n, dtype=torch.int32, device=device) * Ns
+        # Row m's chunk starts at split_n * crow[m]; inside it, item (n, i) sits at n * count + i.
+        pos = (
+            split_n * crow[:-1][row_of, None]
+            + torch.arange(split_n, device=device) * counts[row_of, None]
+            + within[:, None]
+        )
+        q_values = col[:, None] * (Ks * N) + n_off
+        q_offsets = torch.empty(nnz * split_n, dtype=q_values.dtype, device=device)
+        q_offsets[pos.reshape(-1)] = q_values.reshape(-1)
+        nonzero_rows = counts.nonzero()
+        r_offsets = (nonzero_rows * (Ms * N) + n_off).view(-1)
+        nnz_per_row = counts[nonzero_rows].repeat_interleave(split_n)
+        if indices_format == "bsr_strided_mm_compressed":
+            # Swizzle as torch does: output tiles with longer sums first.
+            order = nnz_per_row.sort(descending=True, stable=True).indices
+            # A copy of crow: a plan must not share memory with its source (it would keep it alive).
+            return (indices_format, crow.clone(), r_offsets[order], q_offsets)
+        p_values = torch.arange(nnz, dtype=torch.int32, device=device)[:, None].expand(nnz, split_n)
+        p_offsets = torch.empty(nnz * split_n, dtype=torch.int32, device=device)
+        p_offsets[pos.reshape(-1)] = p_values.reshape(-1)
+        c_indices = torch.cat((crow[:1], torch.cumsum(nnz_per_row, 0)))
+        return (indices_format, c_indices, r_offsets, p_offsets, q_offsets)
+
+    # "scatter_mm": one output tile per (batch, block row, Ms-wide column block).
+    Ns = Ms
+    NB = N // Ns
+    MB = M // Ms
+    tiles_m = torch.arange(MB, device=device).repeat_interleave(NB).repeat(nbatches)
+    tiles_n = torch.arange(NB, device=device).repeat(MB * nbatches)
+    tiles_b = torch.arange(nbatches, device=device).repeat_interleave(MB * NB)
+    tile_counts = counts[tiles_m]
+    c_indices = torch.cat((counts.new_zeros(1), tile_counts.cumsum(0))).to(torch.int32)
+    g_tile = torch.repeat_interleave(torch.arange(tiles_m.numel(), device=device), tile_counts)
+    t = torch.arange(g_tile.numel(), device=device) - c_indices[:-1].to(torch.int64)[g_tile]
+    p = crow[tiles_m[g_tile]] + t
+    q = (col[p] + tiles_b[g_tile] * (K // Ks)) * NB + tiles_n[g_tile]
+    pq = torch.stack((p, q), dim=1).to(torch.int32)
+    return (indices_format, c_indices, pq)
+
+
+# A tile's cost beyond its gemms (in gemms of a full panel): loop overhead.
+
+
+plans.register("scatter_mm", _build_scatter_mm)
+
+
+# The indices data meta of torch.sparse._triton_ops.scatter_mm_meta, so that indices data from bsrkit drive
+# torch's Triton scatter_mm and back. Its tuned points, for n x n x n products with square blocks:
+# (n, blocksize) -> (SPLIT_N, TILE_M, TILE_N, GROUP_SIZE, num_warps); num_stages is 1 everywhere.
+_TORCH_SCATTER_MM_POINTS = {
+    (256, 16): (1, 16, 16, 4, 4), (256, 32): (2, 32, 16, 4, 4), (256, 64): (1, 32, 32, 4, 4),
+    (256, 128): (1, 32, 32, 2, 4),
+    (512, 16): (8, 16, 64, 2, 2), (512, 32): (8, 32, 64, 4, 2), (512, 64): (4, 32, 128, 4, 4),
+    (512, 128): (8, 64, 64, 4, 4),
+    (1024, 16): (4, 16, 128, 2, 1), (1024, 32): (8, 32, 64, 2, 1), (1024, 64): (16, 64, 64, 4, 2),
+    (1024, 128): (16, 64, 64, 4, 4), (1024, 256): (16, 64, 64, 2, 4),
+    (2048, 16): (4, 16, 128, 8, 1), (2048, 32): (4, 32, 64, 4, 1), (2048, 64): (4, 64, 128, 4, 4),
+    (2048, 128): (8, 64, 64, 4, 4), (2048, 256): (4, 64, 64, 2, 4),
+    (4096, 16): (2, 16, 256, 2, 2), (4096, 32): (2, 32, 64, 2, 1), (4096, 64): (2, 64, 128, 2, 4),
+}  # fmt: skip
+# Elsewhere SPLIT_N follows N (torch's heuristic for its reference GPU).
+_SPLIT_N_BY_N = {16: 1, 32: 2, 64: 4, 128: 8, 256: 16, 512: 8, 1024: 16, 4096: 32, 8192: 64}
+_SCATTER_MM_KEYS = ("GROUP_SIZE", "TILE_M", "TILE_N", "SPLIT_N", "num_warps", "num_stages")
+
+
+def scatter_mm_meta(M: int, K: int, N: int, Ms: int, Ks: int, **meta_input: Any) -> dict[str, Any]:
+    """The meta of the ``bsr_strided_mm*`` indices formats, equal to torch's ``scatter_mm_meta`` for the
+    same inputs: ``SPLIT_N`` (N is cut into SPLIT_N panels of ``Ns = N // SPLIT_N`` columns) and the
+    launch parameters of torch's Triton kernel (``TILE_M``, ``TILE_N``, ``GROUP_SIZE``, ``num_warps``,
+    ``num_stages``); other keywords pass through.
+
+    One deviation: a default ``SPLIT_N`` that does not divide ``N`` (torch's result would be wrong) is
+    replaced by their greatest common divisor. Torch also consults a per-GPU table on CUDA machines; that
+    is not reproduced here.
+    """
+    given = {k: meta_input.pop(k) for k in _SCATTER_MM_KEYS if meta_input.get(k) is not None}
+    for name, value in given.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f"bsr_scatter_mm_indices_data(): expected {name} to be a positive int, got {value!r}"
+            )
+    split_n = given.get("SPLIT_N")
+    if split_n is not None and N > 0 and N % split_n:
+        raise ValueError(
+            f"bsr_scatter_mm_indices_data(): expected SPLIT_N to be a positive divisor of N == {N}, "
+            f"got {split_n!r}"
+        )
+    point = _TORCH_SCATTER_MM_POINTS.get((M, Ms)) if M == K == N and Ms == Ks and not given else None
+    if point is not None:
+        split_n, tile_m, tile_n, group_size, num_warps = point
+        return {
+            "TILE_M": tile_m, "TILE_N": tile_n, "GROUP_SIZE": group_size, "num_stages": 1,
+            "num_warps": num_warps, "SPLIT_N": split_n, **meta_input,
+        }  # fmt: skip
+    if split_n is None:
+        split_n = _SPLIT_N_BY_N.get(N, 16)
+        if Ms >= 512 and N >= 2048:
+            split_n = 1
+        split_n = math.gcd(N, split_n) if N > 0 else split_n  # must divide N
+    Ns = N // split_n
+    wide = 32 if Ns >= 512 else 64
+    if min(M, N) >= 1024:
+        default_warps = {16: 1, 32: 1, 64: 2}.get(Ms, 4)
+    elif min(M, N) == 256:
+        default_warps = {16: 1, 32: 4}.get(Ms, 4)
+    else:
+        default_warps = {16: 1, 32: 2}.get(Ms, 4)
+    return {
+        "TILE_M": given.get("TILE_M", min(wide, Ms)),
+        "TILE_N": given.get("TILE_N", min(wide, Ns)),
+        "GROUP_SIZE": given.get("GROUP_SIZE", 4),
+        "num_stages": given.get("num_stages", 1),
+        "num_warps": given.get("num_warps", default_warps),
+        "SPLIT_N": split_n,
+        **meta_input,
+    }

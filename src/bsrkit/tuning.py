@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import sys
 import tempfile
@@ -52,7 +51,6 @@ __all__ = [
     "resolve",
     "resolve_state",
     "save_entries",
-    "scatter_mm_meta",
     "shape_class",
     "shipped_entries",
     "table_key",
@@ -371,75 +369,3 @@ def triton_meta(
     """:func:`resolve` for the Triton backend (tiles, warps and stages; see
     :meth:`bsrkit.backends.triton.TritonBackend.complete_params`)."""
     return resolve(BACKENDS["triton"], op, device, dtype, shape, blocksize, meta)
-
-
-# The indices data meta of torch.sparse._triton_ops.scatter_mm_meta, so that indices data from bsrkit drive
-# torch's Triton scatter_mm and back. Its tuned points, for n x n x n products with square blocks:
-# (n, blocksize) -> (SPLIT_N, TILE_M, TILE_N, GROUP_SIZE, num_warps); num_stages is 1 everywhere.
-_TORCH_SCATTER_MM_POINTS = {
-    (256, 16): (1, 16, 16, 4, 4), (256, 32): (2, 32, 16, 4, 4), (256, 64): (1, 32, 32, 4, 4),
-    (256, 128): (1, 32, 32, 2, 4),
-    (512, 16): (8, 16, 64, 2, 2), (512, 32): (8, 32, 64, 4, 2), (512, 64): (4, 32, 128, 4, 4),
-    (512, 128): (8, 64, 64, 4, 4),
-    (1024, 16): (4, 16, 128, 2, 1), (1024, 32): (8, 32, 64, 2, 1), (1024, 64): (16, 64, 64, 4, 2),
-    (1024, 128): (16, 64, 64, 4, 4), (1024, 256): (16, 64, 64, 2, 4),
-    (2048, 16): (4, 16, 128, 8, 1), (2048, 32): (4, 32, 64, 4, 1), (2048, 64): (4, 64, 128, 4, 4),
-    (2048, 128): (8, 64, 64, 4, 4), (2048, 256): (4, 64, 64, 2, 4),
-    (4096, 16): (2, 16, 256, 2, 2), (4096, 32): (2, 32, 64, 2, 1), (4096, 64): (2, 64, 128, 2, 4),
-}  # fmt: skip
-# Elsewhere SPLIT_N follows N (torch's heuristic for its reference GPU).
-_SPLIT_N_BY_N = {16: 1, 32: 2, 64: 4, 128: 8, 256: 16, 512: 8, 1024: 16, 4096: 32, 8192: 64}
-_SCATTER_MM_KEYS = ("GROUP_SIZE", "TILE_M", "TILE_N", "SPLIT_N", "num_warps", "num_stages")
-
-
-def scatter_mm_meta(M: int, K: int, N: int, Ms: int, Ks: int, **meta_input: Any) -> dict[str, Any]:
-    """The meta of the ``bsr_strided_mm*`` indices formats, equal to torch's ``scatter_mm_meta`` for the
-    same inputs: ``SPLIT_N`` (N is cut into SPLIT_N panels of ``Ns = N // SPLIT_N`` columns) and the
-    launch parameters of torch's Triton kernel (``TILE_M``, ``TILE_N``, ``GROUP_SIZE``, ``num_warps``,
-    ``num_stages``); other keywords pass through.
-
-    One deviation: a default ``SPLIT_N`` that does not divide ``N`` (torch's result would be wrong) is
-    replaced by their greatest common divisor. Torch also consults a per-GPU table on CUDA machines; that
-    is not reproduced here.
-    """
-    given = {k: meta_input.pop(k) for k in _SCATTER_MM_KEYS if meta_input.get(k) is not None}
-    for name, value in given.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(
-                f"bsr_scatter_mm_indices_data(): expected {name} to be a positive int, got {value!r}"
-            )
-    split_n = given.get("SPLIT_N")
-    if split_n is not None and N > 0 and N % split_n:
-        raise ValueError(
-            f"bsr_scatter_mm_indices_data(): expected SPLIT_N to be a positive divisor of N == {N}, "
-            f"got {split_n!r}"
-        )
-    point = _TORCH_SCATTER_MM_POINTS.get((M, Ms)) if M == K == N and Ms == Ks and not given else None
-    if point is not None:
-        split_n, tile_m, tile_n, group_size, num_warps = point
-        return {
-            "TILE_M": tile_m, "TILE_N": tile_n, "GROUP_SIZE": group_size, "num_stages": 1,
-            "num_warps": num_warps, "SPLIT_N": split_n, **meta_input,
-        }  # fmt: skip
-    if split_n is None:
-        split_n = _SPLIT_N_BY_N.get(N, 16)
-        if Ms >= 512 and N >= 2048:
-            split_n = 1
-        split_n = math.gcd(N, split_n) if N > 0 else split_n  # must divide N
-    Ns = N // split_n
-    wide = 32 if Ns >= 512 else 64
-    if min(M, N) >= 1024:
-        default_warps = {16: 1, 32: 1, 64: 2}.get(Ms, 4)
-    elif min(M, N) == 256:
-        default_warps = {16: 1, 32: 4}.get(Ms, 4)
-    else:
-        default_warps = {16: 1, 32: 2}.get(Ms, 4)
-    return {
-        "TILE_M": given.get("TILE_M", min(wide, Ms)),
-        "TILE_N": given.get("TILE_N", min(wide, Ns)),
-        "GROUP_SIZE": given.get("GROUP_SIZE", 4),
-        "num_stages": given.get("num_stages", 1),
-        "num_warps": given.get("num_warps", default_warps),
-        "SPLIT_N": split_n,
-        **meta_input,
-    }

@@ -22,9 +22,9 @@ import torch
 import bsrkit.backends.cpu.attention_kernels as attention_kernels
 import bsrkit.backends.cpu.kernels as kernels
 import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
-from bsrkit import plans
 from bsrkit.backends.base import ParamSpec, int_at_least_one
 from bsrkit.backends.batching import block_coordinates, bsr_batch_of
+from bsrkit.backends.cpu import planning
 from bsrkit.backends.torch_ops import TorchBackend
 from bsrkit.loading import import_module
 
@@ -274,7 +274,7 @@ def _addmm_small(
     copied (zero-padded) into the layout they read unless it has it already; blocks and out never are."""
     values = a.values
     kernel = kernels.bsr_mm_small_kernel()
-    plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
+    plan = planning.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
     N = dense.shape[-1]
     Ms, Ks = values.shape[-2:]
     K = dense.shape[-2]
@@ -382,7 +382,7 @@ class CpuBackend:
         if out.dtype in (torch.float32, torch.float64) and params.get("small_n", N <= _SMALL_N_MAX):
             return _addmm_small(a, dense, out, batch, alpha, overwrite, params["nthreads"])
         kernel = kernels.bsr_mm_kernel()
-        plan = plans.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
+        plan = planning.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
         values = a.values
         Ms, Ks = values.shape[-2:]
         values, a_rowmajor, lda = _blas_operand(values)
@@ -466,7 +466,7 @@ class CpuBackend:
         params: dict[str, Any],
         overwrite: bool = False,
     ) -> None:
-        """The compiled tile loop over the indices data's gemm list (:func:`plans.cpu_scatter_plan`)."""
+        """The compiled tile loop over the indices data's gemm list (:func:`planning.cpu_scatter_plan`)."""
         if _needs_torch_scatter(blocks, others, accumulators):
             _TORCH.scatter_mm(blocks, others, indices_data, accumulators, params, overwrite)
             return
@@ -499,7 +499,7 @@ class CpuBackend:
             if b_layout is not None and c_layout is not None and tiled:
                 (b_rowmajor, ldb), (c_rowmajor, ldc) = b_layout, c_layout
         tiling = (others.shape[1], others.shape[2], target.shape[1], Ks, Ns) if tiled else ()
-        plan = plans.cpu_scatter_plan(indices_data, others.shape[-1], Ms, Ns, panel, grid_rows, tiling)
+        plan = planning.cpu_scatter_plan(indices_data, others.shape[-1], Ms, Ns, panel, grid_rows, tiling)
         if overwrite and not plan.covers:  # some elements are in no tile: zero them all first
             target.zero_()
             overwrite = False
@@ -555,7 +555,7 @@ class CpuBackend:
             bias4 = bias.to(compute).contiguous().reshape(-1, nnz, Ms, Ns)
             bias_of = bsr_batch_of(bias.shape[:-3], batch)
         out = torch.empty_like(x4)
-        crow = plans.cpu_mm_plan(a.source, 0, a.pattern).crow
+        crow = planning.cpu_mm_plan(a.source, 0, a.pattern).crow
         nthreads = max(1, torch.get_num_threads())
         _run(
             kernel, nthreads,
@@ -573,7 +573,7 @@ class CpuBackend:
         y4 = y.to(compute).contiguous().reshape(-1, nnz, Ms, Ns)
         g4 = grad.to(compute).expand(y.shape).contiguous().reshape(y4.shape)
         out = torch.empty_like(y4)
-        crow = plans.cpu_mm_plan(a.source, 0, a.pattern).crow
+        crow = planning.cpu_mm_plan(a.source, 0, a.pattern).crow
         nthreads = max(1, torch.get_num_threads())
         _run(kernel, nthreads, crow, y4.numpy(), g4.numpy(), out.numpy())
         return out.reshape(y.shape).to(y.dtype)

@@ -2,7 +2,7 @@
 
 Work split: the output is cut into *tasks*, one per (batch, panel of ``panel`` columns, block row), in
 that order. A task's cost is its row's block count plus a small overhead (the plan's prefix sums,
-:func:`bsrkit.plans.cpu_mm_plan`); each of the ``nthreads`` workers takes one contiguous run of tasks of
+:func:`bsrkit.backends.cpu.planning.cpu_mm_plan`); each of the ``nthreads`` workers takes one contiguous run of tasks of
 about equal cost, found by binary search inside the kernel. Tasks write disjoint output tiles, so no
 reduction is needed; and since a run is panel-major, each worker mostly reads its own columns of
 ``dense`` (threads splitting N, as a dense gemm does), while small products still split evenly over rows.
@@ -336,7 +336,7 @@ def scatter_mm_kernel() -> Any:  # Callable[..., None] | None
     """The ``scatter_mm`` kernel: ``C[b, tile] += alpha * sum over the tile's pairs of A[p] @ B[b, q]``;
     takes a :class:`.compiled.scatter.ScatterMMArgs` (``.Args``).
 
-    Driven by a :class:`bsrkit.plans.CpuScatterPlan`: ``tiles`` (T, 5) = (matrix, row, column, first
+    Driven by a :class:`bsrkit.backends.cpu.planning.CpuScatterPlan`: ``tiles`` (T, 5) = (matrix, row, column, first
     pair, end pair) of each output tile of C; ``pairs`` (G, 4) = (block p, matrix, row, column) of B;
     ``tasks`` (S, 3) = (tile, column offset, width) and ``cum`` their cost prefix sums. Element offsets
     are ``boff[b] + moff[matrix] + row * rs + column * cs``. Each worker takes one contiguous run of
