@@ -165,7 +165,7 @@ def test_half_type_defaults_take_the_flat_loop():
     from bsrkit.backends import BACKENDS
 
     triton_backend = BACKENDS["triton"]
-    got = triton_backend.complete_params("bsr_dense_mm", torch.bfloat16, (64, 64, 64), (64, 64), {})
+    got = triton_backend.complete_params("addmm", torch.bfloat16, (64, 64, 64), (64, 64), {})
     assert got == {
         "BLOCK_M": 64,
         "BLOCK_K": 32,
@@ -174,5 +174,5 @@ def test_half_type_defaults_take_the_flat_loop():
         "num_stages": 4,
         "FLAT_LOOP": 1,
     }
-    sampled = triton_backend.complete_params("sampled_addmm", torch.bfloat16, (64, 64, 64), (64, 64), {})
+    sampled = triton_backend.complete_params("sampled", torch.bfloat16, (64, 64, 64), (64, 64), {})
     assert sampled["FLAT_LOOP"] == 0 and sampled["BLOCK_K"] == 32

@@ -302,8 +302,8 @@ def _tune(args: argparse.Namespace) -> int:
             f"M,K,N={M},{K},{N} blocks {Ms}x{Ks}: best {chosen} "
             f"{best_t * 1e3:.2f} ms (defaults {default * 1e3:.2f} ms, {default / best_t:.2f}x)"
         )
-        for op in ("bsr_dense_mm", "bsr_dense_addmm", "bsr_transposed_dense_mm"):
-            key = tuning.table_key(device_name, op, dtype, (M, K, N), (Ms, Ks))
+        for name in (tuning.TABLE_NAMES["addmm", ""], tuning.TABLE_NAMES["addmm", "transposed"]):
+            key = tuning.table_key(device_name, name, dtype, (M, K, N), (Ms, Ks))
             found[key] = {**best, "seconds": round(best_t, 6), "density": args.density}
     path = tuning.save_entries(found, table)
     print(f"wrote {len(found)} entries to {path}")

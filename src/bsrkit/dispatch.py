@@ -141,7 +141,9 @@ def addmm(
             rerun(values, dense, out)
             return out
     Ms, Ks = values.shape[-2:]
-    params = tuning.resolve(backend, op, out.device, out.dtype, (a.M, a.K, dense.shape[-1]), (Ms, Ks), meta)
+    name = tuning.TABLE_NAMES["addmm", "transposed" if a.transposed_block_cols else ""]
+    shape = (a.M, a.K, dense.shape[-1])
+    params = tuning.resolve(backend, name, out.device, out.dtype, shape, (Ms, Ks), meta, op)
     tuning_state = tuning.resolve_state()  # (what params were resolved with: the first call loads the table)
     if not fast:
         checked = None
@@ -237,7 +239,8 @@ def sampled(
     """``alpha * (mat1 @ mat2)`` at ``a``'s blocks: values of shape ``(*batch, nnz, Ms, Ns)``."""
     Ms, Ns = a.values.shape[-2:]
     shape = (mat1.shape[-2], mat1.shape[-1], mat2.shape[-1])
-    params = tuning.resolve(backend, op, mat1.device, mat1.dtype, shape, (Ms, Ns), meta)
+    name = tuning.TABLE_NAMES["sampled", ""]
+    params = tuning.resolve(backend, name, mat1.device, mat1.dtype, shape, (Ms, Ns), meta, op)
     values = backend.sampled(a, mat1, mat2, batch, alpha, params)
     return values.reshape(*batch, *values.shape[1:])
 
@@ -255,9 +258,9 @@ def scatter_mm(
     no tile reaches set to 0); returns ``accumulators``."""
     _, Ms, Ks = blocks.shape
     # The scatter formats take no meta= (torch's API has none): the backend's defaults, no table lookup.
-    params = tuning.resolve(
-        backend, op, blocks.device, blocks.dtype, (Ms, Ks, others.shape[-1]), (Ms, Ks), {}
-    )
+    name = tuning.TABLE_NAMES["scatter_mm", ""]
+    shape = (Ms, Ks, others.shape[-1])
+    params = tuning.resolve(backend, name, blocks.device, blocks.dtype, shape, (Ms, Ks), {}, op)
     backend.scatter_mm(blocks, others, indices_data, accumulators, params, overwrite)
     return accumulators
 

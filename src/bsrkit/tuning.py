@@ -260,37 +260,53 @@ def lookup(
     return found
 
 
+# The tuning table's name of each kernel variant (one place: table keys, the tuner and the lookups use it).
+# Public ops that run the same kernel share its name: bsr_dense_addmm, the custom op bsr_mm and the
+# attention's products use "bsr_dense_mm"; bsr_scatter_mm uses "scatter_mm".
+TABLE_NAMES = {
+    ("addmm", ""): "bsr_dense_mm",
+    ("addmm", "transposed"): "bsr_transposed_dense_mm",
+    ("sampled", ""): "sampled_addmm",
+    ("scatter_mm", ""): "scatter_mm",
+}
+_KERNEL_OF = {name: kernel for (kernel, _), name in TABLE_NAMES.items()}
+
+
 def resolve(
     backend: Backend,
-    op: str,
+    name: str,
     device: torch.device,
     dtype: torch.dtype,
     shape: tuple[int, int, int],
     blocksize: tuple[int, int],
     meta: dict[str, Any] | None,
+    op: str | None = None,
 ) -> dict[str, Any]:
-    """The launch parameters of ``op`` on ``backend`` at ``shape = (M, K, N)``: ``meta`` wins (``{}``
-    means the defaults); without it, the tuning table's entry for this shape and device; then the
-    backend's defaults (:meth:`~bsrkit.backends.base.Backend.complete_params`). ``meta`` is checked
-    against the backend's :attr:`~bsrkit.backends.base.Backend.param_schema`; a backend without
-    parameters ignores it."""
+    """The launch parameters of the kernel variant ``name`` (a value of :data:`TABLE_NAMES`) on
+    ``backend`` at ``shape = (M, K, N)``: ``meta`` wins (``{}`` means the defaults); without it, the
+    tuning table's entry for this shape and device; then the backend's defaults
+    (:meth:`~bsrkit.backends.base.Backend.complete_params`). ``meta`` is checked against the backend's
+    :attr:`~bsrkit.backends.base.Backend.param_schema` (errors name the public ``op``, default
+    ``name``); a backend without parameters ignores it."""
+    if name not in _KERNEL_OF:
+        raise ValueError(f"tuning.resolve(): expected a name in {sorted(_KERNEL_OF)}, got {name!r}")
     schema = backend.param_schema
     if not schema:
         return {}
     if meta is None:
         # Memoized per call shape: valid while the table (re-read when its file changes) and the set of
         # given warnings are the same objects, and torch's thread count (the CPU default) is unchanged.
-        memo = (backend.name, op, device, dtype, shape, blocksize, torch.get_num_threads())
+        memo = (backend.name, name, device, dtype, shape, blocksize, torch.get_num_threads())
         entries = load_table()
         hit = _resolved.get(memo)
         if hit is not None and hit[0] is entries and hit[1] is _warned:
             return dict(hit[2])
-        params = _resolve_unmemoized(backend, op, device, dtype, shape, blocksize, meta)
+        params = _resolve_unmemoized(backend, name, device, dtype, shape, blocksize, meta, name)
         if len(_resolved) >= _RESOLVED_MAX:
             _resolved.clear()
         _resolved[memo] = (entries, _warned, params)
         return dict(params)
-    return _resolve_unmemoized(backend, op, device, dtype, shape, blocksize, meta)
+    return _resolve_unmemoized(backend, name, device, dtype, shape, blocksize, meta, op or name)
 
 
 def resolve_state() -> tuple[dict[str, Any], set[str]]:
@@ -307,21 +323,22 @@ _RESOLVED_MAX = 4096
 
 def _resolve_unmemoized(
     backend: Backend,
-    op: str,
+    name: str,
     device: torch.device,
     dtype: torch.dtype,
     shape: tuple[int, int, int],
     blocksize: tuple[int, int],
     meta: dict[str, Any] | None,
+    op: str,
 ) -> dict[str, Any]:
     schema = backend.param_schema
     if meta is None:
-        name = backend.tuning_device(device)
-        tuned = lookup(op, dtype, shape, blocksize, name, backend.tune_flag) or {}
+        device_name = backend.tuning_device(device)
+        tuned = lookup(name, dtype, shape, blocksize, device_name, backend.tune_flag) or {}
         chosen = {k: v for k, v in tuned.items() if k in schema}
         bad = [(k, v) for k, v in chosen.items() if not schema[k].check(v)]
         if bad:  # a hand-edited or corrupt entry: warned about once, then ignored
-            key = table_key(name, op, dtype, shape, blocksize)
+            key = table_key(device_name, name, dtype, shape, blocksize)
             k, v = bad[0]
             _warn_once(
                 f"entry:{key}",
@@ -340,7 +357,7 @@ def _resolve_unmemoized(
             if not schema[k].check(v):
                 raise ValueError(f"{op}(): expected meta[{k!r}] to be {schema[k].expected}, got {v!r}")
         chosen = dict(meta)
-    return backend.complete_params(op, dtype, shape, blocksize, chosen)
+    return backend.complete_params(_KERNEL_OF[name], dtype, shape, blocksize, chosen)
 
 
 def cpu_mm_meta(

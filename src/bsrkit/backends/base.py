@@ -86,14 +86,15 @@ class Backend(Protocol):
 
     def complete_params(
         self,
-        op: str,
+        kernel: str,
         dtype: torch.dtype,
         shape: tuple[int, int, int],
         blocksize: tuple[int, int],
         chosen: dict[str, Any],
     ) -> dict[str, Any]:
         """Every parameter of a launch: ``chosen`` (valid per :attr:`param_schema`, from ``meta=`` or
-        the tuning table) completed with this backend's defaults for ``op`` at ``shape = (M, K, N)``."""
+        the tuning table) completed with this backend's defaults for ``kernel`` (one of
+        :data:`KERNELS`) at ``shape = (M, K, N)``."""
         ...
 
     def addmm(

@@ -201,7 +201,7 @@ class TorchBackend:
 
     def complete_params(
         self,
-        op: str,
+        kernel: str,
         dtype: torch.dtype,
         shape: tuple[int, int, int],
         blocksize: tuple[int, int],

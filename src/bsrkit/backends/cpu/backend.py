@@ -354,14 +354,14 @@ class CpuBackend:
 
     def complete_params(
         self,
-        op: str,
+        kernel: str,
         dtype: torch.dtype,
         shape: tuple[int, int, int],
         blocksize: tuple[int, int],
         chosen: dict[str, Any],
     ) -> dict[str, Any]:
         params = {"panel": _DEFAULT_PANEL, "nthreads": max(1, torch.get_num_threads()), **chosen}
-        if op not in ("scatter_mm", "bsr_scatter_mm"):  # (their tiles may join wider than shape[2])
+        if kernel != "scatter_mm":  # (its tiles may join wider than shape[2])
             params["panel"] = min(params["panel"], max(shape[2], 1))
         # More workers than cores only adds scheduling (2**31 of them would never finish starting).
         params["nthreads"] = min(params["nthreads"], _machine_threads())

@@ -79,7 +79,7 @@ class TritonBackend:
 
     def complete_params(
         self,
-        op: str,
+        kernel: str,
         dtype: torch.dtype,
         shape: tuple[int, int, int],
         blocksize: tuple[int, int],
@@ -103,7 +103,7 @@ class TritonBackend:
         its operands in registers), 8 warps for tiles of 128 x 64 outputs and more, else 4. Per-device
         tables (``bsrkit/tuned/``) refine these."""
         half = dtype in (torch.float16, torch.bfloat16)
-        if half and op != "sampled_addmm" and "scatter" not in op:  # the bsr @ dense kernel
+        if half and kernel == "addmm":  # the bsr @ dense kernel
             params = {"BLOCK_M": 64, "BLOCK_K": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
             return {**params, "FLAT_LOOP": 1, **chosen}
         params = {
@@ -117,7 +117,7 @@ class TritonBackend:
         params.update(chosen)
         if "num_warps" not in chosen:
             # The output tile one program computes: rows of a block by columns of N (of a block for SDDMM).
-            cols = blocksize[1] if op == "sampled_addmm" else shape[2]
+            cols = blocksize[1] if kernel == "sampled" else shape[2]
             tiles = clamped_tiles(params, blocksize[0], blocksize[1], cols)
             params["num_warps"] = 8 if tiles["BLOCK_M"] * tiles["BLOCK_N"] >= 128 * 64 else 4
         return params
