@@ -41,15 +41,14 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from bsrkit import plans
 
-if TYPE_CHECKING:
-    from bsrkit.backends.base import Backend
-    from bsrkit.operand import Operand
+# (Operands and backends are typed Any here: this module sits below both, which use it.)
+Operand = Any
 
 __all__ = [
     "CALLS_PER_PATTERN",
@@ -77,7 +76,7 @@ class CheckedCall(NamedTuple):
     are keyed by its identity)."""
 
     differentiable: bool
-    backend: Backend
+    backend: Any  # the bsrkit.backends.base.Backend that runs it
     batch: torch.Size
     out_shape: tuple[int, ...]
     out_dtype: torch.dtype
