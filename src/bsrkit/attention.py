@@ -22,7 +22,7 @@ That is the composed path, on every backend. Where the backend has fused loops (
 MKL, float32/float64, no dropout) one loop per direction does all of it per block row instead, flash-
 attention style: the weights are never stored (the forward saves each row's log-sum-exp, the backward
 recomputes :math:`W` from it), blocks whose entries are all allowed get no bias work and blocks with none
-allowed are skipped (:func:`block_bias`); memory beyond the inputs and outputs is O(L).
+allowed are skipped (:func:`bsrkit.mask_bias.block_bias`); memory beyond the inputs and outputs is O(L).
 ``BSRKIT_FUSED_ATTENTION=0`` turns the fused loops off.
 
 The mask builders (:mod:`bsrkit.masks`, re-exported here) return bool BSR masks whose stored blocks are
