@@ -62,7 +62,7 @@ def main() -> None:
     print(f"{'point (n,bs,density,N)':>24} {'old ms':>9} {'new ms':>9}  (medians of {args.rounds} processes)")
     for spec in args.points:
         old, new = (statistics.median(times[spec, label]) for label in ("old", "new"))
-        print(f"{spec:>24} {old:9.3f} {new:9.3f}")
+        print(f"{spec:>24} {old:9.4f} {new:9.4f}")
 
 
 if __name__ == "__main__":
