@@ -126,14 +126,14 @@ def addmm(
             out.zero_()
         return out
     # A repeated call reruns the call its backend prepared before (bsrkit.shortcuts): with a checked call
-    # (and no meta), keyed before the parameter lookup, which it then skips; else by layouts and params.
+    # on a kept operand (and no meta), keyed before the parameter lookup, which it then skips; else by
+    # layouts and params.
     values = a.values
     tuning_state = tuning.resolve_state()
-    fast = checked is not None and meta is None and overwrite
-    if fast:
+    fast = checked is not None and meta is None and overwrite and a.calls is not None
+    if fast:  # (a kept operand: its values' layout is fixed)
         key: tuple[Any, ...] = (
-            id(checked), a.transposed_block_cols, values.stride(), values.storage_offset(),
-            dense.stride(), dense.storage_offset(), out.stride(), out.storage_offset(),
+            id(checked), dense.stride(), dense.storage_offset(), out.stride(), out.storage_offset(),
             torch.get_num_threads(),
         )  # fmt: skip
         rerun = shortcuts.prepared_call(a, key, checked, tuning_state)

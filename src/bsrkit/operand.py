@@ -28,6 +28,9 @@ class Operand(NamedTuple):
     source: Any
     transposed_block_cols: int = 0
     pattern: plans.Pattern | None = None  # the validated pattern, which keeps plans and prepared calls
+    # A kept operand's own prepared calls (keyed without the values' layout, fixed for its wrapper); read
+    # and written by bsrkit.shortcuts only. None for operands that are not kept.
+    calls: dict[Any, Any] | None = None
 
     @property
     def batch(self) -> torch.Size:
@@ -53,6 +56,7 @@ class Operand(NamedTuple):
         # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).
         a = cls.parts(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)), op, name)
         if version is not None:
+            a = a._replace(calls={})
             shortcuts.keep_operand(bsr, version, a)
         return a
 

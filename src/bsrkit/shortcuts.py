@@ -11,9 +11,12 @@ such a call skip work an earlier call did:
    as before reuses its :class:`~bsrkit.operand.Operand` (index and values aliases, plan key and the
    validated :class:`~bsrkit.plans.Pattern`), skipping the key build and the plan cache's lock.
 3. **Prepared calls** (:func:`prepared_call`): a backend's marshaled kernel call (``rerun(values, dense,
-   out)``, see :meth:`bsrkit.backends.base.Backend.addmm`), kept on the operand's ``Pattern`` under a key
-   of everything it depends on but the data addresses. Backends return prepared calls; they never keep
-   them.
+   out)``, see :meth:`bsrkit.backends.base.Backend.addmm`), kept under a key of everything it depends on
+   but the data addresses: for a call with a checked call, on the kept operand (``Operand.calls``: its
+   values' layout is fixed, so the key is the checked call's identity and the dense operand's and
+   output's strides and offsets); for any other, on the operand's ``Pattern`` (shared by every wrapper of
+   the pattern, so the key holds every layout, scalar and parameter). Backends return prepared calls;
+   they never keep them.
 
 **The one rule every hit obeys**: a hit is served only when everything the skipped work read is provably
 what it was when the entry was made:
@@ -28,7 +31,8 @@ what it was when the entry was made:
 
 **Bounds.** A table that reaches its bound is cleared whole (hits stay O(1); a workload that cycles
 through more signatures than the bound only pays the checks again): :data:`CHECKED_CALLS_MAX` signatures,
-:data:`CALLS_PER_PATTERN` prepared calls per pattern, one kept operand per live wrapper (its entry goes
+:data:`CALLS_PER_PATTERN` prepared calls per pattern and per kept operand, one kept operand per live
+wrapper (its entry goes
 when the wrapper dies, by a C-function weakref callback). None of them holds a tensor alive beyond its
 owner: kept operands hold aliases of the wrapper's own members, prepared calls hold addresses and index
 arrays, not operands.
@@ -164,13 +168,13 @@ def keep_operand(bsr: torch.Tensor, version: int, operand: Operand) -> None:
 def prepared_call(
     a: Operand, key: tuple[Any, ...], checked: CheckedCall | None, tuning_state: tuple[Any, Any]
 ) -> Any:
-    """The prepared call kept for ``key`` on ``a``'s pattern, made for the same checked call (by
-    identity; None for calls keyed by their whole layout and parameters) and the same tuning state
+    """The prepared call kept for ``key`` (on the kept operand ``a`` for a call with ``checked``; else on
+    its pattern), made for the same checked call (by identity) and the same tuning state
     (:func:`bsrkit.tuning.resolve_state`, by identity); None when there is none."""
-    pattern = a.pattern
-    if pattern is None:
+    table = _table(a, checked)
+    if table is None:
         return None
-    kept = pattern.calls.get(key)
+    kept = table.get(key)
     if (
         kept is None
         or kept[0] is not checked
@@ -186,13 +190,20 @@ def keep_prepared_call(
     a: Operand, key: tuple[Any, ...], checked: CheckedCall | None, tuning_state: tuple[Any, Any], rerun: Any
 ) -> None:
     """Keep ``rerun`` (a backend's prepared call) for :func:`prepared_call`."""
-    pattern = a.pattern
+    table = _table(a, checked)
     _counts[4] += 1
-    if pattern is None:
+    if table is None:
         return
-    if len(pattern.calls) >= CALLS_PER_PATTERN:
-        pattern.calls.clear()
-    pattern.calls[key] = (checked, tuning_state[0], tuning_state[1], rerun)
+    if len(table) >= CALLS_PER_PATTERN:
+        table.clear()
+    table[key] = (checked, tuning_state[0], tuning_state[1], rerun)
+
+
+def _table(a: Operand, checked: CheckedCall | None) -> dict[Any, Any] | None:
+    """Where ``a``'s prepared calls for calls with (``checked``) or without a checked call are kept."""
+    if checked is not None:
+        return a.calls
+    return a.pattern.calls if a.pattern is not None else None
 
 
 def info() -> ShortcutInfo:

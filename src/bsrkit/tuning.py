@@ -66,7 +66,7 @@ class TuningWarning(UserWarning):
     """No tuned parameters for a shape (defaults used), or an unreadable tuning table."""
 
 
-_USER_TABLE: list[Path] = []
+_USER_TABLE: list[Any] = []  # [the path, its string], once known
 
 
 def default_table_path() -> Path:
@@ -78,8 +78,15 @@ def default_table_path() -> Path:
 def _user_table() -> Path:
     if not _USER_TABLE:
         platformdirs = import_module("platformdirs")  # (the first product's: see bsrkit.loading)
-        _USER_TABLE.append(Path(platformdirs.user_cache_dir("bsrkit")) / "tuning.json")
+        path = Path(platformdirs.user_cache_dir("bsrkit")) / "tuning.json"
+        _USER_TABLE.extend((path, str(path)))  # (the string too: every product call looks it up)
     return _USER_TABLE[0]
+
+
+def _user_table_name() -> str:
+    if not _USER_TABLE:
+        _user_table()
+    return _USER_TABLE[1]
 
 
 @functools.lru_cache(maxsize=4096)  # looked up on every product call: format each key once
@@ -144,7 +151,7 @@ def _caller_level() -> int:
 
 def load_table(path: Path | str | None = None) -> dict[str, dict[str, Any]]:
     """The entries of a tuning table ({} when missing, corrupt or foreign; the latter two warn once)."""
-    name = str(path) if path is not None else getenv(TABLE_ENV) or str(_user_table())
+    name = str(path) if path is not None else getenv(TABLE_ENV) or _user_table_name()
     now = time.monotonic()
     cached = _loaded.get(name)
     if cached is not None and now - cached[1] < _RECHECK_SECONDS:
