@@ -129,14 +129,13 @@ def addmm(
     # on a kept operand (and no meta), keyed before the parameter lookup, which it then skips; else by
     # layouts and params.
     values = a.values
-    tuning_state = tuning.resolve_state()
     fast = checked is not None and meta is None and overwrite and a.calls is not None
     if fast:  # (a kept operand: its values' layout is fixed)
         key: tuple[Any, ...] = (
             id(checked), dense.stride(), dense.storage_offset(), out.stride(), out.storage_offset(),
             torch.get_num_threads(),
         )  # fmt: skip
-        rerun = shortcuts.prepared_call(a, key, checked, tuning_state)
+        rerun = shortcuts.prepared_call(a, key, checked, tuning.resolve_state())
         if rerun is not None:
             rerun(values, dense, out)
             return out

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+import bsrkit.backends.cpu.planning as planning
 from bsrkit.backends.batching import bsr_batch_of
-from bsrkit.backends.cpu import planning
 from bsrkit.backends.cpu.blas import mkl_functions
 from bsrkit.loading import import_module
 

@@ -21,10 +21,10 @@ import torch
 
 import bsrkit.backends.cpu.attention_kernels as attention_kernels
 import bsrkit.backends.cpu.kernels as kernels
+import bsrkit.backends.cpu.planning as planning
 import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit.backends.base import ParamSpec, int_at_least_one
 from bsrkit.backends.batching import block_coordinates, bsr_batch_of
-from bsrkit.backends.cpu import planning
 from bsrkit.backends.torch_ops import TorchBackend
 from bsrkit.loading import import_module
 
