@@ -318,12 +318,17 @@ def _opcheck_samples():
     m2 = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
     yield custom_ops.sampled_mm, (crow, col, m1, m2, 4, 2)
     yield custom_ops.sampled_mm, (crow, col, m1.detach(), m2.detach(), 4, 2)
+    bias = torch.randn(12, dtype=torch.float64, requires_grad=True)
+    xl = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    yield custom_ops.linear, (crow, col, values, xl, bias, 12, 16, False)
+    yield custom_ops.linear, (crow, col, values, xl[:, :12].detach(), None, 12, 16, True)
+    yield custom_ops.linear, (crow, col, values.detach(), xl.detach().mT.contiguous().mT, None, 12, 16, False)
 
 
 def test_opcheck_every_custom_op(backend):
     if backend == "triton":
         pytest.skip("interpreter time: the registration is backend-free")
-    assert set(torch.ops.bsrkit) == {"bsr_mm", "sampled_mm"}  # (a new op must join this test)
+    assert set(torch.ops.bsrkit) == {"bsr_mm", "linear", "sampled_mm"}  # (a new op must join this test)
     for op, args in _opcheck_samples():
         torch.library.opcheck(op, args)
 
@@ -342,3 +347,67 @@ def test_gradgradcheck_bsrlinear_values_and_input(backend):
     values = layer.values.detach().clone().requires_grad_()
     assert torch.autograd.gradcheck(f, (values, x))
     assert torch.autograd.gradgradcheck(f, (values, x))
+
+
+# -- the layer's output layout and its no-grad path (issue 25) ------------------------------------------
+
+
+@pytest.mark.parametrize("lead", [(1,), (7,), (2, 5)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_output_is_row_major_like_nn_linear(lead, grad):
+    layer = BSRLinear(32, 24, 8, density=0.5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(*lead, 32)
+    with torch.set_grad_enabled(grad):
+        y = layer(x)
+    assert y.is_contiguous() and y.shape == (*lead, 24)
+    assert y.requires_grad == grad
+    assert_close(y, _dense_twin(layer)(x), k=32)
+
+
+def test_column_major_input_and_a_view_of_a_larger_tensor():
+    layer = BSRLinear(16, 8, 4, density=0.5, generator=torch.Generator().manual_seed(2))
+    base = torch.randn(16, 9)
+    for x in (base.mT[:, :16].contiguous().mT.mT, base[:, 1:].mT.contiguous(), base.mT[2:5]):
+        with torch.no_grad():
+            assert_close(layer(x), _dense_twin(layer)(x), k=16)
+
+
+def test_no_grad_path_follows_every_change_of_the_layer():
+    """The no-grad forward keeps one wrapper per weight: a new pattern written in place (numpy, unseen by
+    version counters), new buffers, a resized values tensor (``.data =``) and a loaded checkpoint of
+    another nnz are all seen by the next call."""
+    gen = torch.Generator().manual_seed(3)
+    layer = BSRLinear(16, 16, 4, density=0.5, generator=gen)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_close(layer(x), _dense_twin(layer)(x), k=16)
+        col = layer.col_indices.numpy()
+        row_of = torch.repeat_interleave(torch.arange(4), layer.crow_indices.diff()).numpy()
+        # another valid pattern: each block moves to the next free column of its row, if any
+        mask = torch.zeros(4, 4, dtype=torch.bool)
+        mask[row_of, col] = True
+        new = [(r, c) for r in range(4) for c in range(4) if mask[r, c]]
+        shifted = sorted(((r, (c + 1) % 4) if not mask[r, (c + 1) % 4] else (r, c)) for r, c in new)
+        before = col.copy()
+        col[:] = [c for _, c in shifted]
+        assert (col != before).any()  # (a new pattern, unseen by any version counter)
+        assert_close(layer(x), _dense_twin(layer)(x), k=16)
+        other = BSRLinear(16, 16, 4, density=0.25, generator=gen)
+        layer.load_state_dict(other.state_dict())
+        assert layer.values.shape[0] == other.values.shape[0]
+        assert_close(layer(x), _dense_twin(other)(x), k=16)
+        layer.values.data = layer.values.data * 2
+        assert_close(layer(x), 2 * (_dense_twin(other)(x) - other.bias) + other.bias, k=16)
+
+
+def test_frozen_weights_take_the_no_grad_path_and_input_grads_still_flow():
+    layer = BSRLinear(16, 8, 4, density=0.5, generator=torch.Generator().manual_seed(4)).requires_grad_(False)
+    before = bsrkit.shortcut_info().weight_hits
+    x = torch.randn(2, 16)
+    layer(x)
+    layer(x)
+    assert bsrkit.shortcut_info().weight_hits > before
+    xg = torch.randn(2, 16, requires_grad=True)
+    layer(xg).sum().backward()
+    assert_close(xg.grad, _dense_twin(layer).weight.sum(0).expand(2, 16), k=8)

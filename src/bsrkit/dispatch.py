@@ -21,6 +21,7 @@ __all__ = [
     "BACKEND_ENV",
     "addmm",
     "forced_backend",
+    "rerun_prepared",
     "sampled",
     "scatter_mm",
     "select",
@@ -131,10 +132,7 @@ def addmm(
     values = a.values
     fast = checked is not None and meta is None and overwrite and a.calls is not None
     if fast:  # (a kept operand: its values' layout is fixed)
-        key: tuple[Any, ...] = (
-            id(checked), dense.stride(), dense.storage_offset(), out.stride(), out.storage_offset(),
-            torch.get_num_threads(),
-        )  # fmt: skip
+        key: tuple[Any, ...] = _fast_key(checked, dense, out)
         rerun = shortcuts.prepared_call(a, key, checked, tuning.resolve_state())
         if rerun is not None:
             rerun(values, dense, out)
@@ -161,6 +159,29 @@ def addmm(
     if rerun is not None:
         shortcuts.keep_prepared_call(a, key, checked, tuning_state, rerun)
     return out
+
+
+def _fast_key(checked: Any, dense: torch.Tensor, out: torch.Tensor) -> tuple[Any, ...]:
+    """The key of a prepared call kept on a kept operand (see :func:`addmm`)."""
+    return (
+        id(checked), dense.stride(), dense.storage_offset(), out.stride(), out.storage_offset(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def rerun_prepared(
+    a: Operand, checked: shortcuts.CheckedCall, dense: torch.Tensor, out: torch.Tensor
+) -> bool:
+    """``out = a @ dense`` by the call prepared for an earlier product like it (a kept operand ``a``, the
+    same ``checked`` call, no ``meta``, ``beta == 0``, ``alpha == 1``: see :func:`addmm`); False, computing
+    nothing, when there is none."""
+    if a.calls is None:
+        return False
+    rerun = shortcuts.prepared_call(a, _fast_key(checked, dense, out), checked, tuning.resolve_state())
+    if rerun is None:
+        return False
+    rerun(a.values, dense, out)
+    return True
 
 
 def _scale_product(

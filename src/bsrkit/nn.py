@@ -4,7 +4,9 @@ The block values are the parameter (``values``, shape ``(nnz, bo, bi)``); the pa
 buffers (``crow_indices``, ``col_indices``), so plans are cached for as long as the layer lives and are
 recomputed whenever the pattern changes, whatever writes the buffers (``load_state_dict``, a DDP buffer
 broadcast, an in-place pruning step): every plan hit compares the index data. Forward and backward run the
-``bsrkit::bsr_mm`` / ``bsrkit::sampled_mm`` custom ops, which ``torch.compile`` can trace.
+``bsrkit::linear`` / ``bsrkit::sampled_mm`` custom ops, which ``torch.compile`` can trace; where no
+gradient is needed (``torch.no_grad``, inference, frozen weights) an eager forward calls the product
+directly. The output is row-major, as ``nn.Linear``'s.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from bsrkit import custom_ops
 from bsrkit.validation import check_operand_dtypes, pattern_defect
 
 __all__ = ["BSRLinear"]
+
+
+def _needs_grad(x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (
+        x.requires_grad or values.requires_grad or (bias is not None and bias.requires_grad)
+    )
 
 
 def _pair(blocksize: int | tuple[int, int]) -> tuple[int, int]:
@@ -132,23 +140,16 @@ class BSRLinear(nn.Module):
             raise ValueError(
                 f"BSRLinear.forward(): expected x.shape[-1] == {self.in_features}, got {x.shape[-1]}"
             )
-        check_operand_dtypes("BSRLinear.forward", "x", x, "values", self.values)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        # y^T = W x^T: x^T is a column-major view, which the kernel reads without a copy.
-        y_t = custom_ops.bsr_mm(
-            self.crow_indices,
-            self.col_indices,
-            self.values,
-            x2.mT,
-            self.out_features,
-            self.in_features,
-            False,
-        )
-        y = y_t.mT.reshape(*lead, self.out_features)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        values, bias = self.values, self.bias
+        if x.dtype is not values.dtype:
+            check_operand_dtypes("BSRLinear.forward", "x", x, "values", values)
+        x2 = x if x.ndim == 2 else x.reshape(-1, self.in_features)
+        parts = (self.crow_indices, self.col_indices, values, x2, bias, self.out_features, self.in_features)
+        if _needs_grad(x, values, bias) or torch.compiler.is_compiling():
+            y = custom_ops.linear(*parts, False)
+        else:  # (no gradient to record: the product itself, without the dispatcher's ~30 µs)
+            y = custom_ops.linear_product(*parts, False)
+        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _load_from_state_dict(
         self,

@@ -173,14 +173,19 @@ def checked_addmm(
     transpose: bool = False,
     left: torch.Tensor | None = None,
     right: torch.Tensor | None = None,
+    checked: shortcuts.CheckedCall | None = None,
+    operand: Operand | None = None,
 ) -> torch.Tensor:
     """Validate, then ``out = beta * input + left * (alpha * op(bsr) @ dense) * right`` with op =
     transpose or identity (``left``/``right``: row and column scales, or None). The entry for every
-    public function of bsrkit that is this product under another name (errors name ``op``)."""
+    public function of bsrkit that is this product under another name (errors name ``op``).
+
+    ``checked``: the :class:`~bsrkit.shortcuts.CheckedCall` of an earlier call with the same metadata
+    (:func:`checked_call`), which skips the checks; ``operand``: ``Operand.of(bsr)``, if the caller has it."""
     signature = None
-    if input is None and left is None and right is None and meta is None:
+    if checked is None and input is None and left is None and right is None and meta is None:
         signature = _call_signature(op, transpose, bsr, dense, out, beta, alpha)
-    checked = shortcuts.checked_call(signature) if signature is not None else None
+        checked = shortcuts.checked_call(signature) if signature is not None else None
     if checked is None:
         checked = _validate_addmm(op, input, bsr, dense, beta, alpha, out, meta, transpose, left, right)
         if signature is not None:
@@ -190,7 +195,7 @@ def checked_addmm(
     # The sparse operand, or None when nothing is stored (no plan is fetched for an empty product).
     a = None
     if out_numel:
-        a = Operand.of(bsr, op)  # validates the pattern (once per pattern)
+        a = operand or Operand.of(bsr, op)  # validates the pattern (once per pattern)
         if not (K and a.nnz and alpha):
             a = None
         elif transpose:
@@ -220,6 +225,15 @@ def checked_addmm(
         # The kernels read dense while writing out: shared memory would give a silently wrong result.
         raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
     return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked)
+
+
+def checked_call(
+    op: str, transpose: bool, bsr: torch.Tensor, dense: torch.Tensor, out: torch.Tensor | None
+) -> shortcuts.CheckedCall | None:
+    """The checked call kept for an earlier ``checked_addmm(op, None, bsr, dense, beta=0.0, alpha=1.0,
+    out=out, meta=None, transpose=transpose)`` that passed its checks, or None."""
+    signature = _call_signature(op, transpose, bsr, dense, out, 0.0, 1.0)
+    return shortcuts.checked_call(signature) if signature is not None else None
 
 
 # A call's checks depend only on its metadata (types, layouts, dtypes, devices, shapes, scalars, grad

@@ -1,6 +1,6 @@
 """What a repeated call may skip, in one place: checked calls, kept operands and prepared kernel calls.
 
-A weight or mask is usually multiplied many times with operands of the same shapes. Three tables let
+A weight or mask is usually multiplied many times with operands of the same shapes. Four tables let
 such a call skip work an earlier call did:
 
 1. **Checked calls** (:func:`checked_call`): a call's *signature* (the metadata of its arguments: types,
@@ -17,6 +17,9 @@ such a call skip work an earlier call did:
    output's strides and offsets); for any other, on the operand's ``Pattern`` (shared by every wrapper of
    the pattern, so the key holds every layout, scalar and parameter). Backends return prepared calls;
    they never keep them.
+4. **Kept weights** (:func:`kept_weight`): a layer's weight given as parts (``crow``, ``col``,
+   ``values``: :class:`bsrkit.nn.BSRLinear`, the custom ops) maps to one BSR wrapper of them, so that its
+   products take the three shortcuts above instead of building a wrapper and a plan key per call.
 
 **The one rule every hit obeys**: a hit is served only when everything the skipped work read is provably
 what it was when the entry was made:
@@ -27,13 +30,16 @@ what it was when the entry was made:
   version counter, so the snapshot is of its members), and every other way to an operand goes through the
   plan cache, whose hits compare the same proof. Prepared calls hang on the ``Pattern`` that proof
   belongs to: a changed pattern gets a new ``Pattern`` and so no old prepared call;
-- tuning state, by identity of the table and warnings that chose the parameters.
+- tuning state, by identity of the table and warnings that chose the parameters;
+- a kept weight, by identity of the three part objects and equality of their data addresses, shapes,
+  strides, dtypes and devices (what ``.data =``, ``set_`` or ``resize_`` would change); their contents are
+  the wrapper's members' and so proven as above (values are data, never part of a plan).
 
 **Bounds.** A table that reaches its bound is cleared whole (hits stay O(1); a workload that cycles
 through more signatures than the bound only pays the checks again): :data:`CHECKED_CALLS_MAX` signatures,
 :data:`CALLS_PER_PATTERN` prepared calls per pattern and per kept operand, one kept operand per live
-wrapper (its entry goes
-when the wrapper dies, by a C-function weakref callback). None of them holds a tensor alive beyond its
+wrapper and one kept weight per live ``values`` tensor (each entry goes when its object dies, by a
+C-function weakref callback). None of them holds a tensor alive beyond its
 owner: kept operands hold aliases of the wrapper's own members, prepared calls hold addresses and index
 arrays, not operands.
 
@@ -66,7 +72,9 @@ __all__ = [
     "keep_checked_call",
     "keep_operand",
     "keep_prepared_call",
+    "keep_weight_call",
     "kept_operand",
+    "kept_weight",
     "prepared_call",
 ]
 
@@ -99,10 +107,12 @@ class ShortcutInfo(NamedTuple):
     kept_operands: int  # wrappers held
     call_hits: int
     call_misses: int  # products that prepared (and returned) a call to keep
+    weight_hits: int
+    kept_weights: int  # weights (values tensors) held
 
 
-# checked_hits, checked_misses, operand_hits, call_hits, call_misses
-_counts = [0, 0, 0, 0, 0]
+# checked_hits, checked_misses, operand_hits, call_hits, call_misses, weight_hits
+_counts = [0, 0, 0, 0, 0, 0]
 
 _checked: dict[tuple[Any, ...], CheckedCall] = {}
 
@@ -162,6 +172,58 @@ def keep_operand(bsr: torch.Tensor, version: int, operand: Operand) -> None:
     _operands[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand, proof)
 
 
+# -- kept weights -----------------------------------------------------------------------------------------
+
+# id(values) -> (ref to values, crow, col, the three parts' layouts, the wrapper, its checked calls)
+_weights: dict[int, tuple[Any, ...]] = {}
+
+
+def _layouts(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor) -> tuple[Any, ...]:
+    """What a wrapper of the parts depends on besides their identity and contents (one flat tuple: this
+    runs on every layer call)."""
+    return (
+        crow.data_ptr(), crow.shape, crow.stride(), crow.dtype, crow.device,
+        col.data_ptr(), col.shape, col.stride(), col.dtype,
+        values.data_ptr(), values.shape, values.stride(), values.dtype, values.device,
+    )  # fmt: skip
+
+
+def kept_weight(
+    crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]
+) -> tuple[Any, dict[Any, CheckedCall]]:
+    """The BSR tensor of shape ``size`` made of these parts (``values`` detached), kept while the three
+    are the same objects with the same layouts (see the module's docstring); a new one otherwise. It is
+    not validated here: its products validate its pattern (once per pattern). With it, a table of its
+    products' checked calls for the caller to fill (keyed by the other operands' metadata: the weight's
+    is fixed while it is kept), at most :data:`CALLS_PER_PATTERN` (:func:`keep_weight_call`)."""
+    layouts = _layouts(crow, col, values)
+    seen = _weights.get(id(values))
+    if (
+        seen is not None
+        and seen[0]() is values
+        and seen[1] is crow
+        and seen[2] is col
+        and seen[3] == layouts
+        and seen[4].shape == size
+    ):
+        _counts[5] += 1
+        return seen[4], seen[5]
+    bsr = torch.sparse_bsr_tensor(crow, col, values.detach(), size=size, check_invariants=False)
+    calls: dict[Any, CheckedCall] = {}
+    if not values.is_inference():  # (an inference tensor takes no weak reference)
+        forget = functools.partial(_weights.pop, id(values))  # called as pop(id, ref): see keep_operand
+        # (crow and col held as objects: the layer's buffers, alive as long as it is)
+        _weights[id(values)] = (weakref.ref(values, forget), crow, col, layouts, bsr, calls)
+    return bsr, calls
+
+
+def keep_weight_call(calls: dict[Any, CheckedCall], key: tuple[Any, ...], checked: CheckedCall) -> None:
+    """Keep ``checked`` in a kept weight's table (:func:`kept_weight`)."""
+    if len(calls) >= CALLS_PER_PATTERN:
+        calls.clear()
+    calls[key] = checked
+
+
 # -- prepared calls ---------------------------------------------------------------------------------------
 
 
@@ -208,17 +270,19 @@ def _table(a: Operand, checked: CheckedCall | None) -> dict[Any, Any] | None:
 
 def info() -> ShortcutInfo:
     """Hits, misses and sizes of the shortcut tables."""
-    checked_hits, checked_misses, operand_hits, call_hits, call_misses = _counts
+    checked_hits, checked_misses, operand_hits, call_hits, call_misses, weight_hits = _counts
     return ShortcutInfo(
-        checked_hits, checked_misses, len(_checked), operand_hits, len(_operands), call_hits, call_misses
-    )
+        checked_hits, checked_misses, len(_checked), operand_hits, len(_operands), call_hits, call_misses,
+        weight_hits, len(_weights),
+    )  # fmt: skip
 
 
 def clear() -> None:
-    """Forget every checked call and kept operand and reset the counters (prepared calls live on their
-    patterns: :func:`cache_clear` drops those too)."""
+    """Forget every checked call, kept operand and kept weight and reset the counters (prepared calls live
+    on their patterns: :func:`cache_clear` drops those too)."""
     _checked.clear()
     _operands.clear()
+    _weights.clear()
     _counts[:] = [0] * len(_counts)
 
 
