@@ -30,7 +30,7 @@ from torch import nn
 
 from bsrkit.nn import BSRLinear
 
-__all__ = ["load_sparse", "read_sparse_metadata", "save_sparse"]
+__all__ = ["load_sparse", "parameters_on_meta", "read_sparse_metadata", "save_sparse"]
 
 METADATA_KEY = "bsrkit"
 FORMAT = 1
