@@ -108,6 +108,37 @@ def test_state_dict_round_trips_through_torch_save(tmp_path, density):
         assert torch.equal(fresh(x), model(x))
 
 
+@pytest.mark.parametrize("backend", ["pread", "mmap"])
+def test_a_loaded_model_owns_its_memory_and_saves_over_its_own_file(tmp_path, backend, monkeypatch):
+    import safetensors
+
+    if backend == "mmap":  # as before safetensors 0.8 (no backend argument): tensors map the file
+
+        def safe_open(*args, backend=None, **kwargs):
+            if backend is not None:
+                raise TypeError("unexpected keyword argument 'backend'")
+            return original(*args, **kwargs)
+
+        original = safetensors.safe_open
+        monkeypatch.setattr(safetensors, "safe_open", safe_open)
+    torch.manual_seed(0)
+    model = MLP().eval()  # (layers.1 keeps no block at all)
+    sparsify_(model, blocksize=16, density=0.0, force=True, filter_fn=lambda m, fqn: fqn == "layers.1")
+    path = tmp_path / "mlp.safetensors"
+    save_sparse(model, path)
+    loaded = load_sparse(MLP, path).eval()
+    assert loaded.layers[1].values.shape == (0, 16, 16)
+    with open(path, "r+b") as f:  # the file rewritten in place: the loaded model must not see it
+        f.seek(8 + int.from_bytes(f.read(8), "little"))
+        f.write(bytes(os.path.getsize(path) - f.tell()))
+    _assert_same_state(model, loaded)
+    save_sparse(loaded, path)
+    _assert_same_state(model, load_sparse(MLP, path))
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
 def test_save_sparse_writes_tied_parameters_once(tmp_path):
     class Tied(nn.Module):
         def __init__(self):
