@@ -46,9 +46,11 @@ __all__ = [
     "cache_clear",
     "cache_info",
     "causal_mask",
+    "load_sparse",
     "mask_from_block_mask",
     "mask_from_dense",
     "sampled_addmm",
+    "save_sparse",
     "scaled_dot_product_attention",
     "scatter_mm",
     "shortcut_info",
@@ -64,6 +66,10 @@ def __getattr__(name: str) -> object:
         import importlib
 
         return importlib.import_module(f"bsrkit.{name}")
+    if name in ("save_sparse", "load_sparse"):
+        from bsrkit import checkpoint
+
+        return getattr(checkpoint, name)
     if name == "sparsify_":
         from bsrkit.sparsify import sparsify_
 

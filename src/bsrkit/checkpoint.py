@@ -1,0 +1,338 @@
+"""Saving and loading block-sparse models: safetensors files that record which layers are block-sparse,
+loaded into a model skeleton without ever materialising its dense weights.
+
+``save_sparse(model, path)`` writes ``model.state_dict()`` (a :class:`~bsrkit.nn.BSRLinear` holds
+``values``, ``crow_indices``, ``col_indices`` and ``bias``) with, in the header's metadata under the key
+``"bsrkit"``, a JSON record of each ``BSRLinear`` (fqn, features, blocksize, nnz, bias) and of the tied
+names (a parameter shared by two modules, such as a language model's output head tied to its embedding,
+is written once, as safetensors requires, and re-tied on load).
+
+``load_sparse(model_or_factory, path)`` builds the model with its parameters on the ``meta`` device (no
+memory, no initialisation; buffers are built for real, so non-persistent ones such as rotary
+frequencies hold their computed values), swaps each recorded layer for a ``BSRLinear`` of the recorded
+nnz, then reads the file's tensors one at a time and assigns them. Memory grows by the checkpoint's size
+plus one tensor at a time; no dense weight of a block-sparse layer exists at any point.
+
+A plain ``model.state_dict()`` round-trips as well: ``torch.save`` it, and ``load_state_dict`` into a
+model sparsified with the same layers (``BSRLinear`` takes a checkpoint of another pattern or nnz).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from bsrkit.nn import BSRLinear
+
+__all__ = ["load_sparse", "parameters_on_meta", "read_sparse_metadata", "save_sparse"]
+
+METADATA_KEY = "bsrkit"
+FORMAT = 1
+
+
+def _linear_features(module: nn.Module) -> tuple[int, int] | None:
+    """``(out_features, in_features)`` of an ``nn.Linear``, a ``BSRLinear`` or transformers' ``Conv1D``
+    (weight ``(in, out)``); None for any other module."""
+    if isinstance(module, (nn.Linear, BSRLinear)):
+        return module.out_features, module.in_features
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(weight, torch.Tensor):
+        return int(weight.shape[1]), int(weight.shape[0])
+    return None
+
+
+def _tensors_to_write(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors to write, each once, and ``{dropped name: kept name}`` for the names that alias another
+    entry exactly (tied parameters). A tensor sharing memory with another kept one in any other way is
+    copied (safetensors refuses overlapping entries); a non-contiguous one is packed."""
+    kept: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    storages: set[tuple[str, int]] = set()
+    for name, tensor in state.items():
+        t = tensor.detach()
+        if t.layout != torch.strided:
+            raise ValueError(
+                f"save_sparse(): expected strided tensors in the state_dict, got {name!r} {t.layout}"
+            )
+        alias = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
+        if t.numel() and alias in seen:
+            tied[name] = seen[alias]
+            continue
+        storage = (str(t.device), t.untyped_storage().data_ptr())
+        if t.numel() and storage in storages:
+            t = t.clone(memory_format=torch.contiguous_format)
+        elif not t.is_contiguous():
+            t = t.contiguous()
+        if t.numel():
+            seen[alias] = name
+            storages.add((str(t.device), t.untyped_storage().data_ptr()))
+        kept[name] = t
+    return kept, tied
+
+
+def save_sparse(
+    model: nn.Module, path: str | os.PathLike[str], *, metadata: dict[str, str] | None = None
+) -> None:
+    """Write ``model.state_dict()`` to the safetensors file ``path``, recording every
+    :class:`~bsrkit.nn.BSRLinear` (fqn, features, blocksize, nnz, bias) and every tied parameter in the
+    header's metadata (key ``"bsrkit"``, JSON), so that :func:`load_sparse` can rebuild the model.
+    ``metadata`` adds string entries of your own (the key ``"bsrkit"`` is reserved)."""
+    from safetensors.torch import save_file
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_sparse(): expected model to be an nn.Module, got {type(model).__name__}")
+    if metadata is not None and METADATA_KEY in metadata:
+        raise ValueError(f"save_sparse(): the metadata key {METADATA_KEY!r} is reserved for bsrkit's record")
+    layers = {
+        fqn: {
+            "in_features": m.in_features,
+            "out_features": m.out_features,
+            "blocksize": list(m.blocksize),
+            "nnz": int(m.values.shape[0]),
+            "bias": m.bias is not None,
+        }
+        for fqn, m in model.named_modules()
+        if isinstance(m, BSRLinear)
+    }
+    state = model.state_dict()
+    meta_names = [n for n, t in state.items() if t.device.type == "meta"]
+    if meta_names:
+        raise ValueError(
+            f"save_sparse(): expected tensors with data, got {meta_names[:5]} on the meta device"
+        )
+    tensors, tied = _tensors_to_write(state)
+    record = {"format": FORMAT, "layers": layers, "tied": tied}
+    save_file(
+        tensors,
+        os.fspath(path),
+        metadata={**(metadata or {}), "format": "pt", METADATA_KEY: json.dumps(record)},
+    )
+
+
+def read_sparse_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The record :func:`save_sparse` wrote in ``path``'s header: ``{"format": 1, "layers": {fqn: {...}},
+    "tied": {name: kept name}}``. Raises ``ValueError`` for a file that is not a safetensors file or that
+    bsrkit did not write."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="pt") as f:
+            header = f.metadata() or {}
+    except SafetensorError as exc:
+        raise ValueError(
+            f"load_sparse(): expected path to be a safetensors file, got {os.fspath(path)!r}: {exc}"
+        ) from exc
+    text = header.get(METADATA_KEY)
+    if text is None:
+        raise ValueError(
+            f"load_sparse(): expected a bsrkit checkpoint (written by save_sparse, with {METADATA_KEY!r} in "
+            f"its metadata), got a safetensors file with metadata keys {sorted(header)} at "
+            f"{os.fspath(path)!r}"
+        )
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"load_sparse(): malformed {METADATA_KEY!r} metadata in {os.fspath(path)!r}: {exc}"
+        ) from exc
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        got = record.get("format") if isinstance(record, dict) else record
+        raise ValueError(f"load_sparse(): expected bsrkit checkpoint format {FORMAT}, got {got!r}")
+    return record
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within this context every parameter a module registers goes to the ``meta`` device (no memory, and
+    ``reset_parameters`` then writes nothing); buffers are built as usual, so computed non-persistent ones
+    (rotary frequencies) hold real values. As accelerate's ``init_empty_weights(include_buffers=False)``,
+    it patches ``nn.Module.register_parameter`` for the duration, in every thread."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
+        kept = self._parameters[name]
+        if kept is not None and kept.device.type != "meta":
+            moved = type(kept)(kept.to("meta"), requires_grad=kept.requires_grad)
+            moved.__dict__.update(kept.__dict__)
+            self._parameters[name] = moved
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _swap_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
+    """Replace each recorded layer of ``model`` by a ``BSRLinear`` of the recorded nnz on ``meta`` (all
+    checked first: a model that does not match is left as it was)."""
+    swaps: list[tuple[str, BSRLinear]] = []
+    for fqn, spec in layers.items():
+        try:
+            module = model.get_submodule(fqn)
+        except AttributeError:
+            raise ValueError(
+                f"load_sparse(): the checkpoint's block-sparse layer {fqn!r} is not in the model"
+            ) from None
+        features = _linear_features(module)
+        want = (spec["out_features"], spec["in_features"])
+        if features is None:
+            raise ValueError(
+                f"load_sparse(): expected the model's {fqn!r} to be a linear layer (nn.Linear, Conv1D or "
+                f"BSRLinear) as in the checkpoint, got {type(module).__name__}"
+            )
+        if features != want:
+            raise ValueError(
+                f"load_sparse(): expected the model's {fqn!r} to have (out, in) features {want} as in the "
+                f"checkpoint, got {features}"
+            )
+        weight = module.values if isinstance(module, BSRLinear) else module.weight
+        dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
+        bo, bi = spec["blocksize"]
+        layer = BSRLinear(
+            spec["in_features"],
+            spec["out_features"],
+            (bo, bi),
+            bias=spec["bias"],
+            density=0.0,
+            device="meta",
+            dtype=dtype,
+        )
+        layer.values = nn.Parameter(layer.values.new_empty((spec["nnz"], bo, bi)))
+        layer.col_indices = layer.col_indices.new_empty(spec["nnz"])
+        swaps.append((fqn, layer))
+    for fqn, layer in swaps:
+        parent_name, _, name = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, name, layer)
+
+
+def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
+    """Give real values to non-persistent buffers left on ``meta`` (a model passed in built on ``meta``):
+    a transformers model recomputes them through its ``_init_weights`` (as ``from_pretrained`` does) on
+    modules without parameters of their own (rotary embeddings); anything else left on meta is an error."""
+    init = getattr(model, "_init_weights", None)
+    for fqn, module in model.named_modules():
+        names = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
+        if not names:
+            continue
+        if callable(init) and not any(True for _ in module.parameters(recurse=False)):
+            for n in names:
+                buffer = module._buffers[n]
+                assert buffer is not None
+                module._buffers[n] = torch.empty_like(buffer, device=device)
+            with torch.no_grad():
+                init(module)
+            names = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
+        if names:
+            raise ValueError(
+                f"load_sparse(): the model's buffers {[f'{fqn}.{n}' if fqn else n for n in names]} are on "
+                "the meta device and not in the checkpoint (non-persistent); pass a factory instead of a "
+                "model built on meta (load_sparse builds buffers for real)"
+            )
+
+
+def load_sparse(
+    model_or_factory: nn.Module | Callable[[], nn.Module],
+    path: str | os.PathLike[str],
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Load a :func:`save_sparse` checkpoint into a model without materialising dense weights; return it.
+
+    ``model_or_factory`` is a callable returning the (dense) model, called with parameters on the meta
+    device (:func:`parameters_on_meta`), or a model already built, typically on meta. The layers the file
+    records as block-sparse become :class:`~bsrkit.nn.BSRLinear` with the file's pattern; every tensor is
+    read from the file one at a time onto ``device`` (floating ones cast to ``dtype`` when given) and
+    assigned; tied parameters are re-tied (one ``Parameter`` again). Raises ``ValueError`` naming the
+    entry for a file that does not match the model.
+    """
+    record = read_sparse_metadata(path)
+    device = torch.device(device)
+    if isinstance(model_or_factory, nn.Module):
+        model = model_or_factory
+    elif callable(model_or_factory):
+        with parameters_on_meta():
+            model = model_or_factory()
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"load_sparse(): expected the factory to return an nn.Module, got {type(model).__name__}"
+            )
+    else:
+        raise TypeError(
+            "load_sparse(): expected an nn.Module or a callable returning one, got "
+            f"{type(model_or_factory).__name__}"
+        )
+    layers: dict[str, dict[str, Any]] = record["layers"]
+    tied: dict[str, str] = record["tied"]
+    _swap_layers(model, layers)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    state: dict[str, torch.Tensor] = {}
+    with _open_for_reading(os.fspath(path), str(device)) as (f, copy):
+        stored = set(f.keys())
+        missing = [name for name in expected if name not in stored and name not in tied]
+        unexpected = sorted(stored - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                "load_sparse(): the checkpoint does not match the model: in the model, not in the file: "
+                f"{_some(missing)}; in the file, not in the model: {_some(unexpected)}"
+            )
+        order = {name: i for i, name in enumerate(expected)}
+        for name in sorted(stored, key=order.__getitem__):
+            shape = tuple(f.get_slice(name).get_shape())
+            if shape != expected[name] and not _resizable(name, layers):
+                raise ValueError(f"load_sparse(): {name}: expected shape {expected[name]}, got {shape}")
+            tensor = f.get_tensor(name)
+            if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            elif copy and tensor.device.type == "cpu":
+                tensor = tensor.clone()
+            state[name] = tensor
+    for name, source in tied.items():
+        if name not in expected or source not in state:
+            raise ValueError(
+                f"load_sparse(): the checkpoint ties {name!r} to {source!r}, which the model lacks"
+            )
+        state[name] = state[source]
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    for name, source in tied.items():
+        parent_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent_name) if parent_name else model
+        if leaf in owner._parameters:
+            setattr(owner, leaf, model.get_parameter(source))
+    _materialise_buffers(model, device)
+    return model.to(device)
+
+
+@contextlib.contextmanager
+def _open_for_reading(path: str, device: str) -> Iterator[tuple[Any, bool]]:
+    """``safe_open`` reading each tensor with ``pread`` into memory of its own (safetensors >= 0.8), else
+    memory-mapped; then ``copy`` is True: a CPU tensor must be copied out of the mapping, which would
+    otherwise change under the model if the file were rewritten in place."""
+    from safetensors import safe_open
+
+    try:
+        handle, copy = safe_open(path, framework="pt", device=device, backend="pread"), False
+    except TypeError:  # (no backend argument before safetensors 0.8)
+        handle, copy = safe_open(path, framework="pt", device=device), True
+    with handle as f:
+        yield f, copy
+
+
+def _some(names: list[str]) -> str:
+    return f"{names[:10]}{' ...' if len(names) > 10 else ''}"
+
+
+def _resizable(name: str, layers: dict[str, Any]) -> bool:
+    # (BSRLinear's own load_state_dict checks its parts' shapes, with its own messages)
+    prefix, _, leaf = name.rpartition(".")
+    return prefix in layers and leaf in ("values", "col_indices")

@@ -1,0 +1,323 @@
+"""Saving and loading sparsified models: safetensors files through save_sparse / load_sparse (the skeleton
+on the meta device, never a dense weight), and a plain state_dict through torch.save. The transformers
+cases are skipped without transformers; the memory case runs on Linux only (it reads /proc)."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("safetensors")
+
+import bsrkit
+from bsrkit.checkpoint import load_sparse, read_sparse_metadata, save_sparse
+from bsrkit.nn import BSRLinear
+from bsrkit.sparsify import sparsify_
+from helpers import run_python
+
+
+class MLP(nn.Module):
+    def __init__(self, width=64, depth=3):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+        self.norm = nn.LayerNorm(width)
+        self.register_buffer("scale", torch.full((width,), 0.5))  # persistent: in the file
+        self.register_buffer("shift", torch.linspace(-1, 1, width), persistent=False)  # built, not stored
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.relu(self.layers(x))) * self.scale + self.shift)
+
+
+def _sparse_mlp(seed=0, density=0.5):
+    torch.manual_seed(seed)
+    model = MLP()
+    sparsify_(
+        model, blocksize=16, density=density, force=True, filter_fn=lambda m, fqn: fqn.startswith("layers.")
+    )
+    return model.eval()
+
+
+def _assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype, name
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_mlp_round_trip_through_safetensors(tmp_path):
+    model = _sparse_mlp()
+    path = tmp_path / "mlp.safetensors"
+    save_sparse(model, path)
+    record = read_sparse_metadata(path)
+    assert record["layers"]["layers.1"] == {
+        "in_features": 64, "out_features": 64, "blocksize": [16, 16], "nnz": 8, "bias": True,
+    }  # fmt: skip
+    assert set(record["layers"]) == {"layers.0", "layers.1", "layers.2"} and record["tied"] == {}
+
+    built_on_meta = []
+
+    def factory():
+        fresh = MLP()
+        built_on_meta.append(all(p.device.type == "meta" for p in fresh.parameters()))
+        return fresh
+
+    loaded = bsrkit.load_sparse(factory, path).eval()
+    assert built_on_meta == [True]
+    assert all(isinstance(loaded.layers[i], BSRLinear) for i in range(3))
+    assert not any(t.device.type == "meta" for t in [*loaded.parameters(), *loaded.buffers()])
+    assert all(p.requires_grad for p in loaded.parameters())
+    _assert_same_state(model, loaded)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    loaded(x).sum().backward()  # (trainable after loading)
+    assert loaded.layers[0].values.grad is not None
+
+
+def test_mlp_loads_into_a_model_built_on_meta_and_casts_dtype(tmp_path):
+    model = _sparse_mlp()
+    path = tmp_path / "mlp.safetensors"
+    save_sparse(model, path)
+    with torch.device("meta"):
+        skeleton = MLP()
+    with pytest.raises(ValueError, match=r"buffers \['shift'\] are on the meta device"):
+        load_sparse(skeleton, path)  # (a non-persistent buffer the file cannot hold)
+
+    loaded = load_sparse(MLP, path, dtype=torch.float64)
+    assert loaded.layers[0].values.dtype == torch.float64 and loaded.head.weight.dtype == torch.float64
+    assert loaded.layers[0].col_indices.dtype == torch.int64
+    x = torch.randn(3, 64, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x), model.double()(x))
+
+
+@pytest.mark.parametrize("density", [0.5, 0.25], ids=["same-nnz", "other-nnz"])
+def test_state_dict_round_trips_through_torch_save(tmp_path, density):
+    model = _sparse_mlp(seed=0)
+    torch.save(model.state_dict(), tmp_path / "mlp.pt")
+    fresh = _sparse_mlp(seed=1, density=density)  # another pattern (and nnz): the checkpoint's replaces it
+    fresh.load_state_dict(torch.load(tmp_path / "mlp.pt", weights_only=True))
+    _assert_same_state(model, fresh)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+
+
+@pytest.mark.parametrize("backend", ["pread", "mmap"])
+def test_a_loaded_model_owns_its_memory_and_saves_over_its_own_file(tmp_path, backend, monkeypatch):
+    import safetensors
+
+    if backend == "mmap":  # as before safetensors 0.8 (no backend argument): tensors map the file
+
+        def safe_open(*args, backend=None, **kwargs):
+            if backend is not None:
+                raise TypeError("unexpected keyword argument 'backend'")
+            return original(*args, **kwargs)
+
+        original = safetensors.safe_open
+        monkeypatch.setattr(safetensors, "safe_open", safe_open)
+    torch.manual_seed(0)
+    model = MLP().eval()  # (layers.1 keeps no block at all)
+    sparsify_(model, blocksize=16, density=0.0, force=True, filter_fn=lambda m, fqn: fqn == "layers.1")
+    path = tmp_path / "mlp.safetensors"
+    save_sparse(model, path)
+    loaded = load_sparse(MLP, path).eval()
+    assert loaded.layers[1].values.shape == (0, 16, 16)
+    with open(path, "r+b") as f:  # the file rewritten in place: the loaded model must not see it
+        f.seek(8 + int.from_bytes(f.read(8), "little"))
+        f.write(bytes(os.path.getsize(path) - f.tell()))
+    _assert_same_state(model, loaded)
+    save_sparse(loaded, path)
+    _assert_same_state(model, load_sparse(MLP, path))
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_save_sparse_writes_tied_parameters_once(tmp_path):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 32)
+            self.body = nn.Linear(32, 32)
+            self.out = nn.Linear(32, 10, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return self.out(self.body(self.embed(tokens)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    sparsify_(model, blocksize=8, density=0.5, force=True, filter_fn=lambda m, fqn: fqn == "body")
+    save_sparse(model, tmp_path / "tied.safetensors")
+    assert read_sparse_metadata(tmp_path / "tied.safetensors")["tied"] == {"out.weight": "embed.weight"}
+    loaded = load_sparse(Tied, tmp_path / "tied.safetensors")
+    assert loaded.out.weight is loaded.embed.weight  # one Parameter again, as in the model saved
+    tokens = torch.tensor([[1, 2, 3]])
+    assert torch.equal(loaded(tokens), model(tokens))
+
+
+# -- files that do not match ------------------------------------------------------------------------------
+
+
+def test_errors_name_what_does_not_match(tmp_path):
+    from safetensors.torch import save_file
+
+    model = _sparse_mlp()
+    path = tmp_path / "mlp.safetensors"
+    save_sparse(model, path)
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(ValueError, match="expected path to be a safetensors file"):
+        load_sparse(MLP, junk)
+    plain = tmp_path / "plain.safetensors"
+    save_file({"w": torch.zeros(2)}, plain, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"expected a bsrkit checkpoint .* metadata keys \['format'\]"):
+        load_sparse(MLP, plain)
+    with pytest.raises(ValueError, match=r"block-sparse layer 'layers.2' is not in the model"):
+        load_sparse(lambda: MLP(depth=2), path)
+    with pytest.raises(
+        ValueError, match=r"'layers.0' to have \(out, in\) features \(64, 64\) .* got \(64, 32\)"
+    ):
+        load_sparse(lambda: _with_layer(MLP(), "layers.0", nn.Linear(32, 64)), path)
+    with pytest.raises(ValueError, match=r"'layers.0' to be a linear layer .* got ReLU"):
+        load_sparse(lambda: _with_layer(MLP(), "layers.0", nn.ReLU()), path)
+    with pytest.raises(ValueError, match=r"head.weight: expected shape \(12, 64\), got \(10, 64\)"):
+        load_sparse(lambda: _with_layer(MLP(), "head", nn.Linear(64, 12)), path)
+    with pytest.raises(ValueError, match=r"not in the model: \['head.bias'\]"):
+        load_sparse(lambda: _with_layer(MLP(), "head", nn.Linear(64, 10, bias=False)), path)
+    with pytest.raises(
+        ValueError, match=r"in the model, not in the file: \['extra.weight', 'extra.bias'\]; .*: \[\]"
+    ):
+        load_sparse(lambda: _with_layer(MLP(), "extra", nn.Linear(4, 4)), path)
+    with pytest.raises(ValueError, match="reserved"):
+        save_sparse(model, tmp_path / "other.safetensors", metadata={"bsrkit": "{}"})
+
+
+def _with_layer(model, fqn, layer):
+    parent, _, name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent), name, layer)
+    return model
+
+
+# -- memory ------------------------------------------------------------------------------------------------
+
+_WRITE = """
+import sys, torch
+from torch import nn
+from bsrkit.checkpoint import save_sparse
+from bsrkit.sparsify import sparsify_
+torch.manual_seed(0)
+for width, density, path in ((128, 0.5, sys.argv[2]), (2048, 0.1, sys.argv[1])):
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(12)])
+    sparsify_(model, blocksize=64, density=density, force=True)
+    save_sparse(model, path)
+"""
+
+_LOAD = """
+import json, sys, torch
+from torch import nn
+from bsrkit.checkpoint import load_sparse
+
+def status():
+    with open("/proc/self/status") as f:
+        return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.startswith(("Vm", "RssAnon"))}
+
+def mlp(width):
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(12)])
+
+load_sparse(lambda: mlp(128), sys.argv[2])  # (runs the code paths once: their pages are not the checkpoint)
+try:  # reset VmHWM, the peak RSS of this process's memory (not ru_maxrss: it counts the parent's at fork)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    pass
+before = status()
+model = load_sparse(lambda: mlp(2048), sys.argv[1])
+after = status()
+print(json.dumps({
+    "peak_growth": after["VmHWM"] - before["VmRSS"], "anon_growth": after["RssAnon"] - before["RssAnon"],
+    "stored": sum(t.nbytes for t in model.state_dict().values()),
+    "on_meta": any(t.is_meta for t in model.state_dict().values()),
+}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_loading_never_materialises_the_dense_weights(tmp_path):
+    # 12 layers 2048 x 2048 float32: 201 MB dense (16.8 MB the largest layer); at density 0.1 the file is
+    # 20 MB. The peak of the loading process's RSS may grow by the file plus one dense layer at most.
+    big, small = tmp_path / "big.safetensors", tmp_path / "small.safetensors"
+    code = ["-c", _WRITE, big, small]
+    run_python(code, timeout=120)
+    report = run_python(["-c", _LOAD, big, small], timeout=120).json()
+    file_size, largest_dense = os.path.getsize(big), 2048 * 2048 * 4 + 2048 * 4
+    assert not report["on_meta"] and report["stored"] <= file_size
+    margin = 8 << 20  # (allocator and interpreter noise)
+    assert report["peak_growth"] <= file_size + largest_dense + margin, json.dumps(report)
+    assert report["anon_growth"] <= file_size + margin, json.dumps(report)
+
+
+# -- transformers ------------------------------------------------------------------------------------------
+
+
+def _hf_model(kind, tie):
+    transformers = pytest.importorskip("transformers")
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=100, tie_word_embeddings=tie,
+        )  # fmt: skip
+    else:  # GPT-2: Conv1D layers, learned positions
+        config = transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=64, tie_word_embeddings=tie
+        )
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("kind", "tie"), [("llama", True), ("llama", False), ("gpt2", True)], ids=["llama-tied", "llama", "gpt2"]
+)
+def test_transformers_model_round_trip(tmp_path, kind, tie):
+    torch.manual_seed(0)
+    model = _hf_model(kind, tie).eval()
+    summary = sparsify_(model, blocksize=16, density=0.5, force=True)
+    assert summary.swapped == len(summary.layers) > 0
+    path = tmp_path / "model.safetensors"
+    save_sparse(model, path)
+    tied = read_sparse_metadata(path)["tied"]
+    assert tied == ({"lm_head.weight": "model.embed_tokens.weight"} if kind == "llama" else {
+        "lm_head.weight": "transformer.wte.weight"
+    }) if tie else tied == {}  # fmt: skip
+
+    loaded = load_sparse(lambda: _hf_model(kind, tie), path).eval()
+    assert isinstance(loaded.lm_head, nn.Linear)  # (the output head stays dense)
+    assert (loaded.lm_head.weight is loaded.get_input_embeddings().weight) == tie
+    assert sum(isinstance(m, BSRLinear) for m in loaded.modules()) == summary.swapped
+    _assert_same_state(model, loaded)
+    for (name, a), (_, b) in zip(model.named_buffers(), loaded.named_buffers(), strict=True):
+        assert torch.equal(a, b), name  # (non-persistent ones too: rotary inv_freq)
+    tokens = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+
+
+def test_transformers_model_built_on_meta(tmp_path):
+    torch.manual_seed(0)
+    model = _hf_model("llama", True).eval()
+    sparsify_(model, blocksize=16, density=0.5, force=True)
+    save_sparse(model, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        skeleton = _hf_model("llama", True)
+    # (its rotary buffers are recomputed on load, as transformers' from_pretrained does)
+    loaded = load_sparse(skeleton, tmp_path / "model.safetensors").eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    tokens = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
