@@ -2,12 +2,16 @@
 RigL regrowth, against a masked-dense reference run: same init, same data, same masks, in float64."""
 
 import copy
+import gc
 import itertools
+import os
+import resource
 
 import pytest
 import torch
 from torch import nn
 
+import bsrkit
 from bsrkit.nn import BSRLinear
 from bsrkit.prune import GradualPruner, RigL
 from bsrkit.regrow import drop_and_grow
@@ -282,3 +286,52 @@ def test_finalize_after_block_sparse_training_keeps_the_optimizer():
         assert opt.state[module.values]["exp_avg"].shape == module.values.shape
     nn.functional.mse_loss(model(x), torch.zeros(8, 8, dtype=torch.float64)).backward()
     opt.step()  # the optimizer trains the finalized model
+
+
+def _rss_mb():
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:  # (not Linux: the peak, which only ever grows)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_no_leak_over_2000_steps_of_changing_patterns():
+    """2,000 training steps, the pattern changing every few steps (shrinking, then RigL at constant
+    density): the plan cache and the shortcut tables stay far below their bounds and flat after the
+    warm-up, the optimizer holds state for the live parameters only, and Python objects and memory stay
+    flat. (One thread: the test measures counts, not speed.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        pruner = _pruner(model, opt, end_step=20, every=2, regrow=RigL(0.3, every=3, decay="constant"))
+        x, y = torch.randn(8, 16), torch.randn(8, 8)
+        samples, changes, previous = [], 0, pruner.masks()
+        for step in range(1, 2001):
+            loss = nn.functional.mse_loss(model(x), y)  # (kept alive into the next step, as in most loops)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            pruner.step()
+            masks = pruner.masks()
+            changes += any(not torch.equal(masks[n], previous[n]) for n in masks)
+            previous = masks
+            if step % 250 == 0:
+                gc.collect()
+                shortcuts = bsrkit.shortcut_info()
+                samples.append((step, bsrkit.cache_info().currsize, shortcuts.checked_calls,
+                                shortcuts.kept_operands, len(gc.get_objects()), _rss_mb()))  # fmt: skip
+                assert len(opt.state) == len(list(model.parameters()))
+    finally:
+        torch.set_num_threads(threads)
+    assert changes >= 600 and pruner.sparse_layers() == ["0", "2", "4"]
+    early = [s for s in samples if s[0] <= 1000]
+    late = [s for s in samples if s[0] > 1000]
+    for column, name in ((1, "plans"), (2, "checked calls"), (3, "kept operands")):
+        assert max(s[column] for s in late) <= max(s[column] for s in early), name
+        assert max(s[column] for s in samples) <= 32, name  # (far below the bounds: 256, 1024)
+    assert max(s[4] for s in late) - max(s[4] for s in early) < 500  # Python objects
+    assert late[-1][5] - early[-1][5] < 16  # MB of resident memory
