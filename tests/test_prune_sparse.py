@@ -196,7 +196,9 @@ def test_layers_turn_block_sparse_below_the_break_even_density():
         opt.zero_grad()
         loss.backward()
         opt.step()
+        rng = torch.get_rng_state()
         pruner.step()
+        assert torch.equal(torch.get_rng_state(), rng)  # (dropout and data order see the same stream)
         for name, density in pruner.densities().items():
             assert isinstance(model.get_submodule(name), BSRLinear) == (density < limit), (step, name)
     assert pruner.sparse_layers() == ["0", "2", "4"]

@@ -89,15 +89,17 @@ def _write_pattern(layer: BSRLinear, mask: torch.Tensor) -> None:
 
 
 def _new_module(old: Linear, sparse: bool, blocksize: tuple[int, int]) -> Linear:
-    """An empty layer of the other kind, the same features, device and dtype, in the same train mode."""
-    weight = weight_of(old)
+    """An empty layer of the other kind (on the meta device: the caller gives it its tensors), the same
+    features and dtype, in the same train mode. (BSRLinear's random pattern is drawn from a generator of
+    its own: the global random state, which dropout or data order may follow, is not touched.)"""
+    dtype = weight_of(old).dtype
     out_f, in_f = old.out_features, old.in_features
-    kind = dict(device=weight.device, dtype=weight.dtype)
     module: Linear
     if sparse:
-        module = BSRLinear(in_f, out_f, blocksize, bias=False, density=0.0, **kind)  # type: ignore[arg-type]
+        module = BSRLinear(in_f, out_f, blocksize, bias=False, density=0.0, generator=torch.Generator(),
+                           device="meta", dtype=dtype)  # fmt: skip
     else:
-        module = nn.Linear(in_f, out_f, bias=False, device="meta", dtype=weight.dtype)
+        module = nn.Linear(in_f, out_f, bias=False, device="meta", dtype=dtype)
     module.train(old.training)
     return module
 
@@ -150,8 +152,8 @@ def move(
     param.grad = grad
     target = module if sparse_before == sparse else _new_module(module, sparse, blocksize)
     if isinstance(target, BSRLinear):
-        _write_pattern(target, new)
         target.values = param
+        _write_pattern(target, new)  # (on the values' device)
     else:
         target.weight = param
     if target is not module:
