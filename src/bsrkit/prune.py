@@ -77,6 +77,7 @@ class _Layer:
     mask: torch.Tensor  # (out / bo, in / bi) bool: kept blocks
     score: torch.Tensor  # (out / bo, in / bi) float32: accumulated movement (movement criterion)
     sparse_below: float  # the density below which it trains block-sparse
+    kept: int  # mask.sum(), kept on the host (a step that changes no pattern synchronises no device)
     capture: DenseGradient | None = None  # a sparse layer's dense gradient, for regrowth
 
     @property
@@ -89,8 +90,9 @@ class GradualPruner:
 
     ``filter_fn(module, fqn)`` selects the layers (default: :func:`bsrkit.sparsify.default_filter`, every
     ``nn.Linear`` whose shape the blocksize divides except the output head). Call :meth:`step` after each
-    ``optimizer.step()``; the density changes at the steps ``start_step + k * every`` up to ``end_step``
-    (and at ``end_step``). Without ``regrow`` a layer never regains a removed block; with
+    ``optimizer.step()``, before the gradients are cleared (the movement criterion and RigL read them);
+    the density changes at the steps ``start_step + k * every`` up to ``end_step`` (and at
+    ``end_step``). Without ``regrow`` a layer never regains a removed block; with
     ``regrow=RigL(fraction, every, until)`` blocks are also swapped at constant density.
 
     ``sparse_below``: a layer trains on block-sparse products once its density is below this (a number in
@@ -178,6 +180,7 @@ class GradualPruner:
                     torch.ones(grid, dtype=torch.bool, device=device),
                     torch.zeros(grid, dtype=torch.float32, device=device),
                     below,
+                    grid[0] * grid[1],
                 )
             )
         if not self._layers:
@@ -222,7 +225,7 @@ class GradualPruner:
                 self._per_block(layer, -(weight * weight.grad), out=layer.score)
             new = layer.mask
             keep = round(density * new.numel())
-            if keep < int(new.sum()):
+            if keep < layer.kept:
                 score = self._score(layer).masked_fill(~new, -torch.inf)
                 order = score.flatten().argsort(descending=True, stable=True)
                 new = torch.zeros_like(new).flatten()
@@ -266,11 +269,15 @@ class GradualPruner:
         """Bring ``layer`` to the pattern ``new``: stored block-sparse if ``sparse`` (None: if it is already,
         or if ``new`` is below its ``sparse_below``)."""
         old = layer.mask
+        if new is old and layer.sparse and sparse is not False:
+            return  # (a masked-dense layer's removed blocks are zeroed again after every step)
+        kept = layer.kept if new is old else int(new.sum())
         if sparse is None:
-            sparse = layer.sparse or new.float().mean().item() < layer.sparse_below
+            sparse = layer.sparse or kept / new.numel() < layer.sparse_below
         module = repattern.move(layer.module, old, new, sparse, self.blocksize, self.optimizer)
-        layer.mask = new
-        layer.score.masked_fill_(new & ~old, 0.0)  # a regrown block's movement starts again
+        layer.mask, layer.kept = new, kept
+        if new is not old:
+            layer.score.masked_fill_(new & ~old, 0.0)  # a regrown block's movement starts again
         if module is layer.module:
             return
         parent_name, _, name = layer.fqn.rpartition(".")
