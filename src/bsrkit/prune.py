@@ -269,7 +269,7 @@ class GradualPruner:
         """Bring ``layer`` to the pattern ``new``: stored block-sparse if ``sparse`` (None: if it is already,
         or if ``new`` is below its ``sparse_below``)."""
         old = layer.mask
-        if new is old and layer.sparse and sparse is not False:
+        if new is old and sparse is None and (layer.sparse or layer.kept == new.numel()):
             return  # (a masked-dense layer's removed blocks are zeroed again after every step)
         kept = layer.kept if new is old else int(new.sum())
         if sparse is None:
