@@ -308,10 +308,10 @@ def test_no_leak_over_2000_steps_of_changing_patterns():
     torch.set_num_threads(1)
     try:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8))
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         pruner = _pruner(model, opt, end_step=20, every=2, regrow=RigL(0.3, every=3, decay="constant"))
-        x, y = torch.randn(8, 16), torch.randn(8, 8)
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
         samples, changes, previous = [], 0, pruner.masks()
         for step in range(1, 2001):
             loss = nn.functional.mse_loss(model(x), y)  # (kept alive into the next step, as in most loops)
@@ -330,7 +330,7 @@ def test_no_leak_over_2000_steps_of_changing_patterns():
                 assert len(opt.state) == len(list(model.parameters()))
     finally:
         torch.set_num_threads(threads)
-    assert changes >= 600 and pruner.sparse_layers() == ["0", "2", "4"]
+    assert changes >= 600 and pruner.sparse_layers() == ["0", "2"]
     early = [s for s in samples if s[0] <= 1000]
     late = [s for s in samples if s[0] > 1000]
     for column, name in ((1, "plans"), (2, "checked calls"), (3, "kept operands")):
