@@ -230,6 +230,8 @@ def main() -> int:
         oneshot = copy.deepcopy(dense)
         bsrkit.sparsify_(oneshot, blocksize=args.blocksize, density=d, force=True)
         ppl_one = perplexity(oneshot, val_data, args.context)
+        # (a few block-sparse training steps first: the kernels' first calls are not in prune ms)
+        step_seconds(oneshot, batches(train_data, args.batch, args.context, 9), repeats=1)
         one = f"{ppl_one:>12.3f} {ppl_one / base:>7.3f}"
         for label, sparse_below in runs:
             gradual = copy.deepcopy(dense)
