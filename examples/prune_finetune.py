@@ -7,11 +7,17 @@ pruned to each block density two ways, from the same dense weights:
 * one-shot: ``bsrkit.sparsify_`` (block norm), no further training;
 * gradual: ``bsrkit.prune.GradualPruner`` (cubic schedule) while fine-tuning, then ``finalize()``.
 
-It reports validation perplexity per byte against the dense model fine-tuned for the same steps, and
-the time of a fine-tuning step after finalize() (block-sparse layers) against a dense step.
+It reports validation perplexity per byte against the dense model fine-tuned for the same steps, the
+time of a fine-tuning step after finalize() (block-sparse layers) against a dense step, and the mean step
+time of the gradual run itself while it prunes (``prune ms``: the cubic schedule's steps) and after
+(``tune ms``): a layer trains on block-sparse products once its density is below ``--sparse-below``
+(default: the break-even density of its device and blocksize), masked dense before.
 
     python examples/prune_finetune.py                 # the small version (a few minutes on 2 cores)
     python examples/prune_finetune.py --dense-steps 3000 --finetune-steps 2000 --dim 256   # larger
+    # step times of training while pruning: block-sparse (below break-even) against masked dense
+    python examples/prune_finetune.py --dense-steps 50 --densities 0.25 0.1 --compare-masked-dense
+    python examples/prune_finetune.py --rigl 0.3      # and RigL regrowth after the schedule
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 from torch import nn
 
 import bsrkit
-from bsrkit.prune import GradualPruner
+from bsrkit.prune import GradualPruner, RigL
 
 
 def stdlib_bytes(limit: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,31 +112,56 @@ def perplexity(model: nn.Module, val: torch.Tensor, context: int) -> float:
     return math.exp(total / x.numel())
 
 
-def train(model: nn.Module, steps: int, data, lr: float, pruner_of=None) -> None:
+def train(model: nn.Module, steps: int, data, lr: float, pruner_of=None) -> list[float]:
+    """Train ``steps`` steps (pruning if ``pruner_of``, then finalize()); returns each step's seconds."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     pruner = pruner_of(model, opt) if pruner_of else None
+    times = []
     for _ in range(steps):
         x, y = next(data)
+        t0 = time.perf_counter()
         loss = loss_of(model, x, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if pruner is not None:
             pruner.step()
+        times.append(time.perf_counter() - t0)
     if pruner is not None:
         pruner.finalize()
+    return times
 
 
-def _pruner_of(args: argparse.Namespace, density: float):
+def _pruner_of(args: argparse.Namespace, density: float, sparse_below: float | str | None):
     """The GradualPruner factory of one fine-tuning run: the cubic schedule over the first 60% of the steps
-    (about 40 pattern changes), then fine-tuning at the target density."""
+    (about 40 pattern changes), then fine-tuning at the target density (with RigL regrowth up to 90% of
+    the steps if ``--rigl``)."""
     steps = args.finetune_steps
+    every = max(1, steps // 40)
+    regrow = RigL(args.rigl, every=every, until=int(steps * 0.9)) if args.rigl else None
 
     def make(model: nn.Module, opt: torch.optim.Optimizer) -> GradualPruner:
         return GradualPruner(model, opt, blocksize=args.blocksize, target_density=density, start_step=0,
-                             end_step=int(steps * 0.6), every=max(1, steps // 40))  # fmt: skip
+                             end_step=_end_step(args), every=every, sparse_below=sparse_below,
+                             regrow=regrow)  # fmt: skip
 
     return make
+
+
+def _end_step(args: argparse.Namespace) -> int:
+    return int(args.finetune_steps * 0.6)
+
+
+def _phase_ms(args: argparse.Namespace, times: list[float]) -> str:
+    """Mean step ms while pruning (after the first 2 steps) and after end_step."""
+    end = _end_step(args)
+    pruning, after = times[2:end], times[end:]
+    mean = lambda t: 1e3 * sum(t) / len(t) if t else float("nan")  # noqa: E731
+    return f"{mean(pruning):>8.1f} {mean(after):>7.1f}"
+
+
+def _sparse_below(text: str) -> float | str | None:
+    return None if text == "none" else text if text == "break_even" else float(text)
 
 
 def step_seconds(model: nn.Module, data, repeats: int = 10) -> float:
@@ -160,6 +191,18 @@ def main() -> int:
     ap.add_argument("--finetune-steps", type=int, default=200)
     ap.add_argument("--data-bytes", type=int, default=4_000_000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--sparse-below",
+        type=_sparse_below,
+        default="break_even",
+        help="density below which a layer trains block-sparse: a number, break_even or none",
+    )
+    ap.add_argument(
+        "--compare-masked-dense",
+        action="store_true",
+        help="also run each gradual pruning masked dense throughout (--sparse-below none)",
+    )
+    ap.add_argument("--rigl", type=float, default=0.0, help="RigL regrowth fraction (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -179,20 +222,27 @@ def main() -> int:
     base = perplexity(tuned, val_data, args.context)
     print(f"dense, fine-tuned {args.finetune_steps} more steps (the baseline): perplexity {base:.3f}")
     t_dense = step_seconds(copy.deepcopy(dense), batches(train_data, args.batch, args.context, 9))
-    print(f"{'density':>8} | {'one-shot ppl':>12} {'x dense':>7} | {'gradual ppl':>11} {'x dense':>7} | "
-          f"{'step ms':>7} {'x dense step':>12}")  # fmt: skip
+    print(f"dense fine-tuning step: {t_dense * 1e3:.1f} ms (median of 10)")
+    print(f"{'density':>11} | {'one-shot ppl':>12} {'x dense':>7} | {'gradual ppl':>11} {'x dense':>7} | "
+          f"{'prune ms':>8} {'tune ms':>7} | {'step ms':>7} {'x dense step':>12}")  # fmt: skip
+    runs = [("", args.sparse_below)] + ([(" masked", None)] if args.compare_masked_dense else [])
     for d in args.densities:
         oneshot = copy.deepcopy(dense)
         bsrkit.sparsify_(oneshot, blocksize=args.blocksize, density=d, force=True)
         ppl_one = perplexity(oneshot, val_data, args.context)
-        gradual = copy.deepcopy(dense)
-        steps = args.finetune_steps
-        train(gradual, steps, batches(train_data, args.batch, args.context, 1), 1e-3, _pruner_of(args, d))
-        ppl_grad = perplexity(gradual, val_data, args.context)
-        t_sparse = step_seconds(gradual, batches(train_data, args.batch, args.context, 9))
+        # (a few block-sparse training steps first: the kernels' first calls are not in prune ms)
+        step_seconds(oneshot, batches(train_data, args.batch, args.context, 9), repeats=1)
         one = f"{ppl_one:>12.3f} {ppl_one / base:>7.3f}"
-        grad = f"{ppl_grad:>11.3f} {ppl_grad / base:>7.3f}"
-        print(f"{d:>8} | {one} | {grad} | {t_sparse * 1e3:>7.1f} {t_dense / t_sparse:>12.2f}")
+        for label, sparse_below in runs:
+            gradual = copy.deepcopy(dense)
+            data = batches(train_data, args.batch, args.context, 1)
+            times = train(gradual, args.finetune_steps, data, 1e-3, _pruner_of(args, d, sparse_below))
+            ppl_grad = perplexity(gradual, val_data, args.context)
+            t_sparse = step_seconds(gradual, batches(train_data, args.batch, args.context, 9))
+            grad = f"{ppl_grad:>11.3f} {ppl_grad / base:>7.3f}"
+            name = f"{d}{label}"  # (a masked-dense run: "0.25 masked")
+            print(f"{name:>11} | {one} | {grad} | {_phase_ms(args, times)} | {t_sparse * 1e3:>7.1f} "
+                  f"{t_dense / t_sparse:>12.2f}")  # fmt: skip
     return 0
 
 

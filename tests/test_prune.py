@@ -45,7 +45,15 @@ def test_density_follows_the_schedule_and_patterns_only_shrink(criterion):
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     pruner = GradualPruner(
-        model, opt, blocksize=8, target_density=0.25, start_step=2, end_step=12, every=1, criterion=criterion
+        model,
+        opt,
+        blocksize=8,
+        target_density=0.25,
+        start_step=2,
+        end_step=12,
+        every=1,
+        criterion=criterion,
+        sparse_below=None,  # masked dense throughout (tests/test_prune_sparse.py: block-sparse training)
     )
     assert set(pruner.densities()) == {"0", "2", "4"}  # every nn.Linear the blocksize divides
     history = []
@@ -71,7 +79,9 @@ def test_optimizer_state_follows_the_pattern():
     with the same masks has."""
     model = _model(1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    pruner = GradualPruner(model, opt, blocksize=8, target_density=0.5, start_step=1, end_step=3, every=1)
+    pruner = GradualPruner(
+        model, opt, blocksize=8, target_density=0.5, start_step=1, end_step=3, every=1, sparse_below=None
+    )
     _train(model, opt, pruner, 4)
     for name, mask in pruner.masks().items():
         weight = model.get_submodule(name).weight
@@ -89,7 +99,9 @@ def test_training_equals_a_masked_dense_reference_run():
     twin = copy.deepcopy(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     opt_twin = torch.optim.Adam(twin.parameters(), lr=1e-2)
-    pruner = GradualPruner(model, opt, blocksize=8, target_density=0.25, start_step=1, end_step=9, every=2)
+    pruner = GradualPruner(
+        model, opt, blocksize=8, target_density=0.25, start_step=1, end_step=9, every=2, sparse_below=None
+    )
     for step in range(12):
         x, y = _batch(step)
         for m, o in ((model, opt), (twin, opt_twin)):

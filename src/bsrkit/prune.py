@@ -13,11 +13,25 @@ reached every ``every`` steps by removing, among each layer's kept blocks, those
   (Sanh et al. 2020, per block as in Lagunas et al. 2021): blocks the optimizer moves away from zero
   score high.
 
-Between pattern changes the layers train as masked dense layers: after each optimizer step the removed
-blocks' weights are zero again, and their optimizer state (Adam's moments, momentum buffers: every
-per-parameter state tensor of the weight's shape) is zeroed, so a removed block keeps no stale moments and
-a block kept keeps its own. :meth:`GradualPruner.finalize` swaps each layer for a :class:`~bsrkit.nn.
-BSRLinear` holding exactly the final pattern.
+With ``regrow=RigL(...)`` (:mod:`bsrkit.regrow`) the pattern also changes at constant density: every
+``RigL.every`` steps each pruned layer drops its weakest kept blocks and grows as many where the dense
+gradient is largest (Evci et al. 2020). ``start_step=0, end_step=1`` trains sparse almost from scratch:
+the target density after the first step, then only regrowth.
+
+While a layer is denser than ``sparse_below`` (default: the break-even density of its device and
+blocksize, :func:`bsrkit.sparsify.break_even_density`) it trains as a masked dense ``nn.Linear``: after
+each optimizer step the removed blocks' weights are zero again, and so is their optimizer state (every
+per-parameter state tensor of the weight's shape). From the first pattern change that takes it below, it
+trains on block-sparse products: it becomes a :class:`~bsrkit.nn.BSRLinear` storing the kept blocks, and
+each later pattern change rewrites that layer's pattern in place (:func:`bsrkit.repattern.move`). Either
+way a kept block keeps its weights and optimizer state, a removed block's are dropped and a regrown block
+starts at zero, and each step computes the gradients the masked dense model computes. When the stored
+shape changes (``nn.Linear.weight`` becoming ``BSRLinear.values``, the number of kept blocks changing) the
+weight is a new ``Parameter``, which takes the old one's place in the optimizer's ``param_groups`` and
+state; anything else holding the old one (a second optimizer, a list of parameters kept aside, a wrapper
+that records modules or shapes such as DDP or ``torch.compile``) must be told. At constant density
+(regrowth) the ``Parameter`` stays. :meth:`GradualPruner.finalize` makes every pruned layer a
+``BSRLinear`` holding exactly the final pattern.
 
 Use::
 
@@ -38,10 +52,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from bsrkit import repattern
 from bsrkit.nn import BSRLinear
-from bsrkit.sparsify import default_filter
+from bsrkit.regrow import DenseGradient, RigL, drop_and_grow
+from bsrkit.sparsify import break_even_density, default_filter
 
-__all__ = ["GradualPruner", "cubic_density"]
+__all__ = ["GradualPruner", "RigL", "cubic_density"]
 
 
 def cubic_density(step: int, start_step: int, end_step: int, target_density: float) -> float:
@@ -57,9 +73,16 @@ def cubic_density(step: int, start_step: int, end_step: int, target_density: flo
 @dataclasses.dataclass
 class _Layer:
     fqn: str
-    module: nn.Linear
+    module: nn.Linear | BSRLinear
     mask: torch.Tensor  # (out / bo, in / bi) bool: kept blocks
     score: torch.Tensor  # (out / bo, in / bi) float32: accumulated movement (movement criterion)
+    sparse_below: float  # the density below which it trains block-sparse
+    kept: int  # mask.sum(), kept on the host (a step that changes no pattern synchronises no device)
+    capture: DenseGradient | None = None  # a sparse layer's dense gradient, for regrowth
+
+    @property
+    def sparse(self) -> bool:
+        return isinstance(self.module, BSRLinear)
 
 
 class GradualPruner:
@@ -67,8 +90,14 @@ class GradualPruner:
 
     ``filter_fn(module, fqn)`` selects the layers (default: :func:`bsrkit.sparsify.default_filter`, every
     ``nn.Linear`` whose shape the blocksize divides except the output head). Call :meth:`step` after each
-    ``optimizer.step()``; the density changes at the steps ``start_step + k * every`` up to ``end_step``
-    (and at ``end_step``), and a layer never regains a removed block.
+    ``optimizer.step()``, before the gradients are cleared (the movement criterion and RigL read them);
+    the density changes at the steps ``start_step + k * every`` up to ``end_step`` (and at
+    ``end_step``). Without ``regrow`` a layer never regains a removed block; with
+    ``regrow=RigL(fraction, every, until)`` blocks are also swapped at constant density.
+
+    ``sparse_below``: a layer trains on block-sparse products once its density is below this (a number in
+    [0, 1]; ``"break_even"``, the default: :func:`~bsrkit.sparsify.break_even_density` of its device and
+    blocksize; None: masked dense until :meth:`finalize`).
     """
 
     def __init__(
@@ -83,6 +112,8 @@ class GradualPruner:
         every: int,
         criterion: str = "magnitude",
         filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        sparse_below: float | str | None = "break_even",
+        regrow: RigL | None = None,
     ) -> None:
         op = "GradualPruner()"
         bo, bi = (blocksize, blocksize) if isinstance(blocksize, int) else tuple(blocksize)
@@ -101,10 +132,23 @@ class GradualPruner:
             )
         if criterion not in ("magnitude", "movement"):
             raise ValueError(f"{op}: expected criterion 'magnitude' or 'movement', got {criterion!r}")
+        if not (
+            sparse_below is None
+            or sparse_below == "break_even"
+            or (isinstance(sparse_below, (int, float)) and not isinstance(sparse_below, bool)
+                and 0 <= sparse_below <= 1)
+        ):  # fmt: skip
+            raise ValueError(
+                f"{op}: expected sparse_below to be a number in [0, 1], 'break_even' or None, got "
+                f"{sparse_below!r}"
+            )
+        if regrow is not None and not isinstance(regrow, RigL):
+            raise TypeError(f"{op}: expected regrow to be a bsrkit.regrow.RigL or None, got {regrow!r}")
         self.model, self.optimizer = model, optimizer
         self.blocksize = (bo, bi)
         self.target_density, self.criterion = float(target_density), criterion
         self.start_step, self.end_step, self.every = start_step, end_step, every
+        self.regrow = regrow
         self.steps = 0
         selected = filter_fn or default_filter((bo, bi), model)
         self._layers: list[_Layer] = []
@@ -123,12 +167,20 @@ class GradualPruner:
                 )
             grid = (out_f // bo, in_f // bi)
             device = module.weight.device
+            if sparse_below is None:
+                below = 0.0
+            elif sparse_below == "break_even":
+                below = break_even_density(device, (bo, bi))
+            else:
+                below = float(sparse_below)
             self._layers.append(
                 _Layer(
                     fqn,
                     module,
                     torch.ones(grid, dtype=torch.bool, device=device),
                     torch.zeros(grid, dtype=torch.float32, device=device),
+                    below,
+                    grid[0] * grid[1],
                 )
             )
         if not self._layers:
@@ -154,73 +206,121 @@ class GradualPruner:
         """Each layer's kept blocks, ``(out / bo, in / bi)`` bool (copies)."""
         return {layer.fqn: layer.mask.clone() for layer in self._layers}
 
+    def sparse_layers(self) -> list[str]:
+        """The layers training on block-sparse products now (``BSRLinear``)."""
+        return [layer.fqn for layer in self._layers if layer.sparse]
+
     # -- the training loop -------------------------------------------------------------------------------
-
-    def _blocks(self, t: torch.Tensor) -> torch.Tensor:
-        """``(out, in)`` -> ``(out / bo, in / bi, bo, bi)`` view of blocks."""
-        bo, bi = self.blocksize
-        return t.reshape(t.shape[0] // bo, bo, t.shape[1] // bi, bi).transpose(1, 2)
-
-    def _expand(self, mask: torch.Tensor) -> torch.Tensor:
-        bo, bi = self.blocksize
-        return mask.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
 
     @torch.no_grad()
     def step(self) -> None:
-        """One training step done: accumulate movement scores, prune at the scheduled steps, and zero the
-        removed blocks' weights and optimizer state."""
+        """One training step done: accumulate movement scores, prune at the scheduled steps, regrow at the
+        regrowth steps, and bring each layer, its gradient and its optimizer state to its new pattern."""
         self.steps += 1
+        density = self.density_at(self.steps)
+        update = self.regrow is not None and self.regrow.due(self.steps)
         for layer in self._layers:
-            weight = layer.module.weight
+            weight = repattern.weight_of(layer.module)
             if self.criterion == "movement" and weight.grad is not None:
-                layer.score -= self._blocks(weight * weight.grad).sum((-1, -2)).float()
-            density = self.density_at(self.steps)
-            keep = round(density * layer.mask.numel())
-            if keep < int(layer.mask.sum()):
-                score = self._score(layer).masked_fill(~layer.mask, -torch.inf)
+                self._per_block(layer, -(weight * weight.grad), out=layer.score)
+            new = layer.mask
+            keep = round(density * new.numel())
+            if keep < layer.kept:
+                score = self._score(layer).masked_fill(~new, -torch.inf)
                 order = score.flatten().argsort(descending=True, stable=True)
-                mask = torch.zeros_like(layer.mask).flatten()
-                mask[order[:keep]] = True
-                layer.mask = mask.reshape(layer.mask.shape)
-            self._apply_mask(layer)
+                new = torch.zeros_like(new).flatten()
+                new[order[:keep]] = True
+                new = new.reshape(layer.mask.shape)
+            if update:
+                new = self._regrow(layer, new)
+            self._move(layer, new)
+        self._arm()
+
+    def _per_block(self, layer: _Layer, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-block sums of ``t`` (stored as the layer stores its weight) as an ``(out / bo, in / bi)``
+        grid, zero at the blocks not stored; added to ``out`` when given."""
+        grid = torch.zeros_like(layer.score) if out is None else out
+        if layer.sparse:
+            grid[layer.mask] += t.sum((-1, -2)).float()
+        else:
+            grid += repattern.block_view(t, self.blocksize).sum((-1, -2)).float()
+        return grid
+
+    def _magnitude(self, layer: _Layer) -> torch.Tensor:
+        weight = repattern.weight_of(layer.module).detach()
+        return self._per_block(layer, weight.float().pow(2))
 
     def _score(self, layer: _Layer) -> torch.Tensor:
-        if self.criterion == "movement":
-            return layer.score
-        return self._blocks(layer.module.weight.detach().float()).pow(2).sum((-1, -2))
+        return layer.score if self.criterion == "movement" else self._magnitude(layer)
 
-    def _apply_mask(self, layer: _Layer) -> None:
-        full = self._expand(layer.mask)
-        weight = layer.module.weight
-        weight.mul_(full)
-        state = self.optimizer.state.get(weight, {})
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.shape == weight.shape:
-                value.mul_(full)
+    def _regrow(self, layer: _Layer, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` after a drop-and-grow update (unchanged without a gradient to grow by)."""
+        assert self.regrow is not None
+        if layer.sparse:
+            grad = layer.capture.take() if layer.capture is not None else None
+        else:
+            grad = repattern.weight_of(layer.module).grad
+        if grad is None:
+            return mask
+        growth = repattern.block_view(grad.float(), self.blocksize).pow(2).sum((-1, -2))
+        return drop_and_grow(mask, self._magnitude(layer), growth, self.regrow.fraction_at(self.steps))
+
+    def _move(self, layer: _Layer, new: torch.Tensor, sparse: bool | None = None) -> None:
+        """Bring ``layer`` to the pattern ``new``: stored block-sparse if ``sparse`` (None: if it is already,
+        or if ``new`` is below its ``sparse_below``)."""
+        old = layer.mask
+        if new is old and sparse is None and (layer.sparse or layer.kept == new.numel()):
+            return  # (a masked-dense layer's removed blocks are zeroed again after every step)
+        kept = layer.kept if new is old else int(new.sum())
+        if sparse is None:
+            sparse = layer.sparse or kept / new.numel() < layer.sparse_below
+        module = repattern.move(layer.module, old, new, sparse, self.blocksize, self.optimizer)
+        layer.mask, layer.kept = new, kept
+        if new is not old:
+            layer.score.masked_fill_(new & ~old, 0.0)  # a regrown block's movement starts again
+        if module is layer.module:
+            return
+        parent_name, _, name = layer.fqn.rpartition(".")
+        parent: Any = self.model.get_submodule(parent_name) if parent_name else self.model
+        setattr(parent, name, module)
+        layer.module = module
+        if layer.capture is not None:
+            layer.capture.remove()
+            layer.capture = None
+        if self.regrow is not None and isinstance(module, BSRLinear):
+            layer.capture = DenseGradient(module)
+
+    def _arm(self) -> None:
+        """Record the dense gradient of the sparse layers in the coming step if it ends in an update."""
+        armed = self.regrow is not None and self.regrow.due(self.steps + 1)
+        for layer in self._layers:
+            if layer.capture is not None:
+                layer.capture.armed = armed
+                layer.capture.take()
 
     # -- the result --------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def finalize(self) -> nn.Module:
-        """Swap each pruned layer for a :class:`~bsrkit.nn.BSRLinear` with the final pattern (its kept
-        blocks' weights, bias unchanged); returns the model (changed in place)."""
+        """Make each pruned layer a :class:`~bsrkit.nn.BSRLinear` holding exactly its final pattern (its
+        kept blocks' weights and optimizer state; bias unchanged); returns the model (changed in place).
+        The optimizer can go on training it."""
         for layer in self._layers:
-            self._apply_mask(layer)
-            density = layer.mask.float().mean().item()
-            # The removed blocks are zero, so the blocks of largest norm are the kept ones (a kept block
-            # whose norm is exactly 0 may trade places with a removed one: the layer computes the same).
-            sparse = BSRLinear.from_dense(layer.module, self.blocksize, density)
-            parent_name, _, name = layer.fqn.rpartition(".")
-            parent: Any = self.model.get_submodule(parent_name) if parent_name else self.model
-            setattr(parent, name, sparse)
+            self._move(layer, layer.mask, sparse=True)
+            if layer.capture is not None:
+                layer.capture.remove()
+                layer.capture = None
         return self.model
 
     def state_dict(self) -> dict[str, Any]:
-        """The step count, masks and movement scores (for checkpointing a pruning run)."""
+        """The step count, masks, movement scores and which layers are block-sparse (for checkpointing a
+        pruning run: load it before the model's and the optimizer's state, so that the layers have the
+        checkpoint's kinds and shapes)."""
         return {
             "steps": self.steps,
             "masks": {layer.fqn: layer.mask.clone() for layer in self._layers},
             "scores": {layer.fqn: layer.score.clone() for layer in self._layers},
+            "sparse": {layer.fqn: layer.sparse for layer in self._layers},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -238,8 +338,9 @@ class GradualPruner:
                     f"{layer.fqn!r}, got {tuple(mask.shape)}"
                 )
         self.steps = int(state["steps"])
+        sparse = state.get("sparse", {})  # (absent from checkpoints before block-sparse training)
         for layer in self._layers:
-            layer.mask = state["masks"][layer.fqn].to(torch.bool).clone()
-            layer.score = state["scores"][layer.fqn].float().clone()
-            with torch.no_grad():
-                self._apply_mask(layer)
+            mask = state["masks"][layer.fqn].to(torch.bool).to(layer.mask.device)
+            self._move(layer, mask.clone(), sparse=bool(sparse.get(layer.fqn, False)))
+            layer.score = state["scores"][layer.fqn].float().to(layer.score.device).clone()
+        self._arm()

@@ -1,0 +1,109 @@
+r"""RigL-style regrowth for :class:`bsrkit.prune.GradualPruner`: drop the weakest kept blocks and grow as many
+removed blocks where the dense gradient is largest (Evci et al. 2020, "Rigging the Lottery", per block).
+
+At each update step :math:`t` (every ``every`` steps, up to ``until``), each pruned layer drops the
+:math:`k = \mathrm{round}(f_t \cdot \mathrm{kept})` kept blocks of smallest Frobenius norm and grows the
+:math:`k` blocks, among those not kept before the update, of largest dense-gradient norm
+:math:`\|(\partial L / \partial W)_b\|_F`; a grown block starts at zero weight and zero optimizer state.
+The density does not change. :math:`f_t` decays as in the paper,
+:math:`f_t = \tfrac{f}{2}(1 + \cos(\pi t / T_{\mathrm{end}}))` with :math:`T_{\mathrm{end}}` = ``until``,
+or stays ``f`` (``decay="constant"``, or no ``until``).
+
+The dense gradient of a block-sparse layer's weight is not computed by its backward (only the kept
+blocks' is): :class:`DenseGradient` records :math:`G^T X` for the steps that end in an update (a forward
+hook keeps the layer's input, a hook on its output's gradient adds :math:`G^T X`), summed over the
+micro-batches of a step. A masked-dense layer's ``weight.grad`` is that gradient already.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DenseGradient", "RigL", "drop_and_grow"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RigL:
+    """The regrowth schedule (module docstring): ``fraction`` of the kept blocks swapped at steps
+    ``every``, ``2 * every``, ... up to ``until`` (None: for as long as training runs), the fraction
+    decaying to 0 at ``until`` (``decay="cosine"``) or constant (``"constant"``)."""
+
+    fraction: float = 0.3
+    every: int = 100
+    until: int | None = None
+    decay: str = "cosine"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+            raise TypeError(f"RigL(): expected fraction to be a number, got {type(self.fraction).__name__}")
+        if not 0 <= self.fraction <= 1:
+            raise ValueError(f"RigL(): expected fraction in [0, 1], got {self.fraction}")
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"RigL(): expected every to be an int >= 1, got {self.every!r}")
+        if self.until is not None and (not isinstance(self.until, int) or self.until < 1):
+            raise ValueError(f"RigL(): expected until to be None or an int >= 1, got {self.until!r}")
+        if self.decay not in ("cosine", "constant"):
+            raise ValueError(f"RigL(): expected decay 'cosine' or 'constant', got {self.decay!r}")
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` (steps done) ends with an update."""
+        return step > 0 and step % self.every == 0 and (self.until is None or step <= self.until)
+
+    def fraction_at(self, step: int) -> float:
+        """:math:`f_t`: the fraction of kept blocks swapped at ``step``."""
+        if self.until is None or self.decay == "constant":
+            return float(self.fraction)
+        return self.fraction / 2 * (1 + math.cos(math.pi * min(step, self.until) / self.until))
+
+
+def drop_and_grow(
+    mask: torch.Tensor, magnitude: torch.Tensor, growth: torch.Tensor, fraction: float
+) -> torch.Tensor:
+    """The pattern after one update of ``mask`` (bool, kept blocks): the ``round(fraction * kept)`` kept
+    blocks of smallest ``magnitude`` dropped, as many blocks outside ``mask`` of largest ``growth`` grown
+    (fewer when fewer are outside). Ties go to the lower block index (row-major)."""
+    k = min(round(fraction * int(mask.sum())), int((~mask).sum()))
+    if k <= 0:
+        return mask
+    flat = mask.flatten()
+    dropped = magnitude.flatten().masked_fill(~flat, torch.inf).argsort(stable=True)[:k]
+    grown = growth.flatten().masked_fill(flat, -torch.inf).argsort(descending=True, stable=True)[:k]
+    new = flat.clone()
+    new[dropped] = False
+    new[grown] = True
+    return new.reshape(mask.shape)
+
+
+class DenseGradient:
+    r"""The dense gradient :math:`\partial L / \partial W = G^T X` of a linear layer (``y = x W^T + b``)
+    over the backward passes run while :attr:`armed` (module docstring)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.armed = False
+        self.total: torch.Tensor | None = None
+        self._handle = module.register_forward_hook(self._forward)
+
+    def _forward(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        if self.armed and args and isinstance(output, torch.Tensor) and output.requires_grad:
+            x = args[0].detach()
+            output.register_hook(functools.partial(self._backward, x.reshape(-1, x.shape[-1])))
+
+    def _backward(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+        g = grad.detach().reshape(-1, grad.shape[-1])
+        part = g.mT @ x.to(g.dtype)
+        self.total = part if self.total is None else self.total.add_(part)
+
+    def take(self) -> torch.Tensor | None:
+        """The gradient recorded since the last call (None: no backward ran while armed), and forget it."""
+        total, self.total = self.total, None
+        return total
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self.armed, self.total = False, None

@@ -1,0 +1,161 @@
+"""Moving a pruned linear layer from one block pattern to another, with its gradient and optimizer state.
+
+A layer :class:`bsrkit.prune.GradualPruner` manages is either *masked dense* (an ``nn.Linear`` whose removed
+blocks are zero) or *block-sparse* (a :class:`~bsrkit.nn.BSRLinear` storing the kept blocks only, in
+row-major block order). :func:`move` takes it from one pattern (``old``, a ``(out / bo, in / bi)`` bool
+mask) to another (``new``), either way of storing it, so that
+
+* a block in both patterns keeps its weights, its gradient and its optimizer state (every per-parameter
+  state tensor of the weight's shape: Adam's moments, momentum buffers; scalars such as Adam's ``step``
+  stay as they are);
+* a block only in ``old`` (removed) is gone: zero in a masked-dense layer, not stored in a sparse one;
+* a block only in ``new`` (regrown) starts at zero weight, zero gradient and zero state.
+
+The weight keeps its ``Parameter`` while its stored shape stays (a sparse layer at constant density: the
+data is written in place); a new shape gets a new ``Parameter`` (``nn.Linear.weight`` becoming
+``BSRLinear.values``, a sparse layer's nnz changing), which takes the old one's place in the optimizer's
+``param_groups`` and its state. (Assigning ``param.data`` of another shape instead would break the next
+backward whenever a graph of an earlier step is still alive, e.g. through last step's ``loss``: autograd's
+node for the parameter records its shape.) The bias stays the same object. A sparse layer's pattern is
+rewritten in place: new ``crow_indices`` and ``col_indices`` buffers (new memory, so the plans of the old
+pattern die with it).
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import torch
+from torch import nn
+
+from bsrkit.nn import BSRLinear
+
+__all__ = ["block_view", "expand", "move", "weight_of"]
+
+Linear: TypeAlias = nn.Linear | BSRLinear
+
+
+def block_view(t: torch.Tensor, blocksize: tuple[int, int]) -> torch.Tensor:
+    """``(out, in)`` -> the ``(out / bo, in / bi, bo, bi)`` view of its blocks."""
+    bo, bi = blocksize
+    return t.reshape(t.shape[0] // bo, bo, t.shape[1] // bi, bi).transpose(1, 2)
+
+
+def expand(mask: torch.Tensor, blocksize: tuple[int, int]) -> torch.Tensor:
+    """A block mask as an element mask of the weight's shape."""
+    bo, bi = blocksize
+    return mask.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+
+
+def weight_of(module: Linear) -> nn.Parameter:
+    """The weight ``Parameter``: ``weight`` of an ``nn.Linear``, ``values`` of a ``BSRLinear``."""
+    weight = module.values if isinstance(module, BSRLinear) else module.weight
+    assert isinstance(weight, nn.Parameter)
+    return weight
+
+
+def _remap(
+    t: torch.Tensor, old: torch.Tensor, new: torch.Tensor, sparse_before: bool, sparse_after: bool,
+    blocksize: tuple[int, int],
+) -> torch.Tensor:  # fmt: skip
+    """``t`` (the weight, its gradient or a state tensor, stored as before) stored as after: ``new``'s
+    blocks, those ``old`` lacks zero."""
+    bo, bi = blocksize
+    if sparse_before:
+        position = torch.full(old.shape, -1, dtype=torch.int64, device=t.device)
+        position[old] = torch.arange(t.shape[0], device=t.device)
+        index = position[new]
+        found = index >= 0
+        blocks = t.new_zeros((index.shape[0], bo, bi))
+        blocks[found] = t[index[found]]
+    else:
+        blocks = block_view(t, blocksize)[new]
+        blocks[~old[new]] = 0
+    if sparse_after:
+        return blocks
+    full = t.new_zeros((old.shape[0] * bo, old.shape[1] * bi))
+    block_view(full, blocksize)[new] = blocks
+    return full
+
+
+def _write_pattern(layer: BSRLinear, mask: torch.Tensor) -> None:
+    device = layer.values.device
+    mask = mask.cpu()
+    crow = torch.zeros(mask.shape[0] + 1, dtype=torch.int64)
+    crow[1:] = mask.sum(1).cumsum(0)
+    col = mask.nonzero()[:, 1].clone(memory_format=torch.contiguous_format)
+    layer.crow_indices = crow.to(device)
+    layer.col_indices = col.to(device)
+
+
+def _new_module(old: Linear, sparse: bool, blocksize: tuple[int, int]) -> Linear:
+    """An empty layer of the other kind (on the meta device: the caller gives it its tensors), the same
+    features and dtype, in the same train mode. (BSRLinear's random pattern is drawn from a generator of
+    its own: the global random state, which dropout or data order may follow, is not touched.)"""
+    dtype = weight_of(old).dtype
+    out_f, in_f = old.out_features, old.in_features
+    module: Linear
+    if sparse:
+        module = BSRLinear(in_f, out_f, blocksize, bias=False, density=0.0, generator=torch.Generator(),
+                           device="meta", dtype=dtype)  # fmt: skip
+    else:
+        module = nn.Linear(in_f, out_f, bias=False, device="meta", dtype=dtype)
+    module.train(old.training)
+    return module
+
+
+def _replace(optimizer: torch.optim.Optimizer | None, old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
+    """``new`` in ``old``'s place in the optimizer's parameter groups, with its state."""
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [new if p is old else p for p in group["params"]]
+        if old in optimizer.state:
+            optimizer.state[new] = optimizer.state.pop(old)
+    return new
+
+
+@torch.no_grad()
+def move(
+    module: Linear,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    sparse: bool,
+    blocksize: tuple[int, int],
+    optimizer: torch.optim.Optimizer | None,
+) -> Linear:
+    """Take ``module`` (holding the pattern ``old``) to the pattern ``new``, stored block-sparse if
+    ``sparse``, with its gradient and its state in ``optimizer`` (module docstring); returns the module
+    now holding it: ``module`` itself unless the way of storing changed, in which case the caller puts the
+    returned one in its place."""
+    param = weight_of(module)
+    sparse_before = isinstance(module, BSRLinear)
+    state = optimizer.state.get(param, {}) if optimizer is not None else {}
+    shaped = [key for key, v in state.items() if isinstance(v, torch.Tensor) and v.shape == param.shape]
+    if not sparse_before and not sparse:
+        full = expand(old & new, blocksize)  # in place, as the optimizer step left them
+        param.mul_(full)
+        for key in shaped:
+            state[key].mul_(full)
+        return module
+    if sparse_before and sparse and torch.equal(old, new):
+        return module
+    for key in shaped:
+        state[key] = _remap(state[key], old, new, sparse_before, sparse, blocksize)
+    grad = param.grad
+    if grad is not None:
+        grad = _remap(grad, old, new, sparse_before, sparse, blocksize)
+    data = _remap(param.detach(), old, new, sparse_before, sparse, blocksize)
+    if data.shape == param.shape:
+        param.copy_(data)
+    else:
+        param = _replace(optimizer, param, nn.Parameter(data, requires_grad=param.requires_grad))
+    param.grad = grad
+    target = module if sparse_before == sparse else _new_module(module, sparse, blocksize)
+    if isinstance(target, BSRLinear):
+        target.values = param
+        _write_pattern(target, new)  # (on the values' device)
+    else:
+        target.weight = param
+    if target is not module:
+        target.bias = module.bias
+    return target

@@ -1,0 +1,359 @@
+"""GradualPruner training on block-sparse products (BSRLinear layers whose pattern shrinks or changes) and
+RigL regrowth, against a masked-dense reference run: same init, same data, same masks, in float64."""
+
+import copy
+import gc
+import itertools
+import os
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+import bsrkit
+from bsrkit.nn import BSRLinear
+from bsrkit.prune import GradualPruner, RigL
+from bsrkit.regrow import drop_and_grow
+from bsrkit.repattern import block_view, expand
+from bsrkit.sparsify import break_even_density
+from helpers import backends
+
+BS = (8, 8)
+
+
+def _model(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    layers = [nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)]
+    return nn.Sequential(*layers).to(dtype)
+
+
+def _batch(step, dtype=torch.float64):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g).to(dtype), torch.randn(8, 8, generator=g).to(dtype)
+
+
+def _pruner(model, opt, **kwargs):
+    settings = dict(blocksize=8, target_density=0.25, start_step=0, end_step=6, every=1, sparse_below=1.0,
+                    regrow=RigL(fraction=0.3, every=2, decay="constant"))  # fmt: skip
+    return GradualPruner(model, opt, **{**settings, **kwargs})
+
+
+def _dense(module, mask, stored):
+    """What ``stored`` (a layer's weight, gradient or state tensor) holds as a dense (out, in) tensor."""
+    if not isinstance(module, BSRLinear):
+        return stored
+    full = stored.new_zeros((mask.shape[0] * BS[0], mask.shape[1] * BS[1]))
+    block_view(full, BS)[mask] = stored
+    return full
+
+
+def _weight(module):
+    return module.values if isinstance(module, BSRLinear) else module.weight
+
+
+def _reference_masks(twin, opt_twin, old, new):
+    """The masked-dense reference after a step: a block kept in both keeps its weights and moments, every
+    other block (removed, or regrown: it starts at zero) is zero in both."""
+    with torch.no_grad():
+        for name in new:
+            keep = expand(old[name] & new[name], BS)
+            w = twin.get_submodule(name).weight
+            w.mul_(keep)
+            for v in opt_twin.state[w].values():
+                if v.shape == w.shape:
+                    v.mul_(keep)
+
+
+def _compare(model, opt, twin, opt_twin, masks, tol=1e-12):
+    for name, mask in masks.items():
+        module, ref = model.get_submodule(name), twin.get_submodule(name)
+        w = _weight(module)
+        assert any(w is p for g in opt.param_groups for p in g["params"]), name  # the optimizer follows
+        torch.testing.assert_close(_dense(module, mask, w.detach()), ref.weight.detach(), rtol=0, atol=tol)
+        expected = opt_twin.state[ref.weight]
+        shaped = [k for k, v in expected.items() if v.shape == ref.weight.shape]
+        assert shaped and set(opt.state[w]) == set(expected)
+        for key in shaped:  # Adam's moments (and amsgrad's maximum), SGD's momentum
+            got = _dense(module, mask, opt.state[w][key])
+            torch.testing.assert_close(got, expected[key], rtol=0, atol=tol, msg=key)
+
+
+OPTIMIZERS = {
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-2),
+    "adamw_amsgrad": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=1e-1, momentum=0.9),
+}
+
+
+RUNS = [
+    ("magnitude", "adam"),
+    ("movement", "adam"),
+    ("magnitude", "adamw_amsgrad"),
+    ("magnitude", "sgd_momentum"),
+]
+
+
+@pytest.mark.parametrize("criterion, optimizer", RUNS)
+def test_block_sparse_training_equals_the_masked_dense_reference(criterion, optimizer):
+    """Weights and optimizer state (Adam's moments, SGD's momentum) of the block-sparse run equal the
+    masked-dense reference's after every step: through the swap to BSRLinear, shrinking patterns and
+    regrowth (kept blocks keep their state, removed ones lose it, regrown ones start at zero)."""
+    model = _model(1)
+    twin = copy.deepcopy(model)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    opt_twin = OPTIMIZERS[optimizer](twin.parameters())
+    pruner = _pruner(model, opt, criterion=criterion, end_step=8)
+    shrinks = regrowths = 0
+    for step in range(16):
+        x, y = _batch(step)
+        losses = []
+        for m, o in ((model, opt), (twin, opt_twin)):
+            loss = nn.functional.mse_loss(m(x), y)
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+        old = pruner.masks()
+        pruner.step()
+        new = pruner.masks()
+        _reference_masks(twin, opt_twin, old, new)
+        assert losses[0] == pytest.approx(losses[1], abs=1e-12)
+        _compare(model, opt, twin, opt_twin, new)
+        shrinks += any(int(new[n].sum()) < int(old[n].sum()) for n in new)
+        grown = {n: new[n] & ~old[n] for n in new}
+        regrowths += any(g.any() for g in grown.values())
+        for name, g in grown.items():  # a regrown block starts at zero weight and zero moments
+            module = model.get_submodule(name)
+            stored = g[new[name]]
+            assert (module.values[stored] == 0).all()
+            state = opt.state[module.values]
+            assert all((v[stored] == 0).all() for v in state.values() if v.shape == module.values.shape)
+    assert shrinks >= 5 and regrowths >= 3
+    assert pruner.sparse_layers() == ["0", "2", "4"]
+    assert all(isinstance(model[i], BSRLinear) for i in (0, 2, 4))
+    assert all(d == pytest.approx(0.25) for d in pruner.densities().values())
+
+
+@pytest.mark.parametrize("backend", backends("cpu", "torch", "triton"), indirect=True)
+def test_every_steps_gradients_equal_the_masked_dense_models(backend):
+    """The gradients of the values, the biases and the input x equal the masked-dense model's at the kept
+    blocks, at every step of a schedule with more than 5 pattern changes (shrinking, then regrowth)."""
+    model = _model(2)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt_twin = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    pruner = _pruner(model, opt, end_step=4, regrow=RigL(fraction=0.5, every=1, decay="constant"))
+    changes = 0
+    for step in range(9):
+        x, y = _batch(step)
+        grads = []
+        for m, o in ((model, opt), (twin, opt_twin)):
+            xg = x.clone().requires_grad_()
+            loss = nn.functional.mse_loss(m(xg), y)
+            o.zero_grad()
+            loss.backward()
+            grads.append(xg.grad)
+        torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-12)
+        for name, mask in pruner.masks().items():
+            module, ref = model.get_submodule(name), twin.get_submodule(name)
+            ref_grad = ref.weight.grad * expand(mask, BS)  # the masked model's gradient
+            got = _dense(module, mask, _weight(module).grad)
+            torch.testing.assert_close(got, ref_grad, rtol=0, atol=1e-12, msg=name)
+            torch.testing.assert_close(module.bias.grad, ref.bias.grad, rtol=0, atol=1e-12)
+        opt.step()
+        opt_twin.step()
+        old = pruner.masks()
+        pruner.step()
+        new = pruner.masks()
+        _reference_masks(twin, opt_twin, old, new)
+        changes += not torch.equal(old["2"], new["2"])
+    assert changes >= 5
+    assert pruner.sparse_layers() == ["0", "2", "4"]
+
+
+@pytest.mark.parametrize("criterion", ["magnitude", "movement"])
+def test_sparse_and_masked_dense_runs_choose_the_same_patterns(criterion):
+    """The pruner's own masked-dense mode (sparse_below=None) and its block-sparse mode make the same
+    choices: the movement scores and the dense gradient RigL grows by (summed over two micro-batches)
+    are the same either way."""
+    runs = []
+    for sparse_below in (1.0, None):
+        model = _model(3)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        pruner = _pruner(model, opt, criterion=criterion, sparse_below=sparse_below,
+                         regrow=RigL(fraction=0.4, every=3, until=15))  # fmt: skip
+        history = []
+        for step in range(18):
+            x, y = _batch(step)
+            opt.zero_grad()
+            for half in (slice(0, 4), slice(4, 8)):
+                nn.functional.mse_loss(model(x[half]), y[half]).backward()
+            opt.step()
+            pruner.step()
+            history.append(pruner.masks())
+        runs.append((model, history, pruner))
+    (sparse, h1, p1), (dense, h2, p2) = runs
+    assert p1.sparse_layers() == ["0", "2", "4"] and p2.sparse_layers() == []
+    for a, b in zip(h1, h2, strict=True):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    grown = sum(bool((b[n] & ~a[n]).any()) for a, b in itertools.pairwise(h1) for n in a)
+    assert grown >= 3
+    for name, mask in h1[-1].items():
+        got = _dense(sparse.get_submodule(name), mask, _weight(sparse.get_submodule(name)).detach())
+        torch.testing.assert_close(got, dense.get_submodule(name).weight.detach(), rtol=0, atol=1e-12)
+
+
+def test_layers_turn_block_sparse_below_the_break_even_density():
+    limit = break_even_density("cpu", BS)
+    model = _model(4, torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    pruner = GradualPruner(model, opt, blocksize=8, target_density=0.125, start_step=0, end_step=10, every=1)
+    for step in range(12):
+        x, y = _batch(step, torch.float32)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        rng = torch.get_rng_state()
+        pruner.step()
+        assert torch.equal(torch.get_rng_state(), rng)  # (dropout and data order see the same stream)
+        for name, density in pruner.densities().items():
+            assert isinstance(model.get_submodule(name), BSRLinear) == (density < limit), (step, name)
+    assert pruner.sparse_layers() == ["0", "2", "4"]
+
+
+def test_drop_and_grow_and_the_rigl_schedule():
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    magnitude = torch.tensor([[3.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    growth = torch.tensor([[9.0, 9.0, 1.0], [9.0, 5.0, 4.0]])
+    # 0.67 * 3 kept -> 2 swapped: drop (0, 1) and (1, 0), grow (1, 1) and (1, 2) (never (0, 0), kept)
+    new = drop_and_grow(mask, magnitude, growth, 0.67)
+    assert new.tolist() == [[True, False, False], [False, True, True]]
+    assert torch.equal(drop_and_grow(mask, magnitude, growth, 0.0), mask)
+    full = torch.ones(2, 3, dtype=torch.bool)
+    assert torch.equal(drop_and_grow(full, magnitude, growth, 0.5), full)  # nothing to grow
+    rigl = RigL(fraction=0.4, every=10, until=100)
+    assert [s for s in range(0, 121) if rigl.due(s)] == list(range(10, 101, 10))
+    assert rigl.fraction_at(0) == pytest.approx(0.4) and rigl.fraction_at(50) == pytest.approx(0.2)
+    assert rigl.fraction_at(100) == pytest.approx(0.0)
+    assert RigL(0.4, 10, 100, decay="constant").fraction_at(50) == 0.4
+    for bad, error in [
+        ({"fraction": 2.0}, ValueError), ({"fraction": "x"}, TypeError), ({"every": 0}, ValueError),
+        ({"until": 0}, ValueError), ({"decay": "x"}, ValueError),
+    ]:  # fmt: skip
+        with pytest.raises(error):
+            RigL(**bad)
+    with pytest.raises(TypeError):
+        GradualPruner(_model(), None, blocksize=8, target_density=0.5, start_step=0, end_step=2, every=1,
+                      regrow=0.3)  # fmt: skip
+    with pytest.raises(ValueError):
+        GradualPruner(_model(), None, blocksize=8, target_density=0.5, start_step=0, end_step=2, every=1,
+                      sparse_below="never")  # fmt: skip
+
+
+def test_a_checkpoint_of_a_block_sparse_run_resumes_exactly():
+    """pruner.state_dict() first, then the model's and the optimizer's: the resumed run continues as the
+    uninterrupted one does."""
+    model = _model(5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    pruner = _pruner(model, opt, end_step=8)
+    for step in range(5):
+        x, y = _batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        pruner.step()
+    saved = copy.deepcopy((pruner.state_dict(), model.state_dict(), opt.state_dict()))
+    resumed = _model(6)
+    opt2 = torch.optim.Adam(resumed.parameters(), lr=1e-2)
+    pruner2 = _pruner(resumed, opt2, end_step=8)
+    pruner2.load_state_dict(saved[0])
+    resumed.load_state_dict(saved[1])
+    opt2.load_state_dict(saved[2])
+    assert pruner2.sparse_layers() == pruner.sparse_layers() == ["0", "2", "4"]
+    for step in range(5, 12):
+        x, y = _batch(step)
+        for m, o, p in ((model, opt, pruner), (resumed, opt2, pruner2)):
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+            p.step()
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert all(torch.equal(v, pruner2.masks()[k]) for k, v in pruner.masks().items())
+
+
+def test_finalize_after_block_sparse_training_keeps_the_optimizer():
+    model = _model(7)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    pruner = _pruner(model, opt, sparse_below=0.5, target_density=0.5, regrow=None)
+    for step in range(3):  # 0.5 after 3 steps of the cubic schedule: '0', '2', '4' still dense
+        x, y = _batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        pruner.step()
+    assert pruner.sparse_layers() == []
+    x, _ = _batch(99)
+    with torch.no_grad():
+        before = model(x)
+    masks = pruner.masks()
+    assert pruner.finalize() is model and pruner.sparse_layers() == ["0", "2", "4"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before, rtol=0, atol=1e-12)
+    for name, mask in masks.items():
+        module = model.get_submodule(name)
+        assert module.values.shape[0] == int(mask.sum())
+        assert opt.state[module.values]["exp_avg"].shape == module.values.shape
+    nn.functional.mse_loss(model(x), torch.zeros(8, 8, dtype=torch.float64)).backward()
+    opt.step()  # the optimizer trains the finalized model
+
+
+def _rss_mb():
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:  # (not Linux: the peak, which only ever grows)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_no_leak_over_2000_steps_of_changing_patterns():
+    """2,000 training steps, the pattern changing every few steps (shrinking, then RigL at constant
+    density): the plan cache and the shortcut tables stay far below their bounds and flat after the
+    warm-up, the optimizer holds state for the live parameters only, and Python objects and memory stay
+    flat. (One thread: the test measures counts, not speed.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        pruner = _pruner(model, opt, end_step=20, every=2, regrow=RigL(0.3, every=3, decay="constant"))
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        samples, changes, previous = [], 0, pruner.masks()
+        for step in range(1, 2001):
+            loss = nn.functional.mse_loss(model(x), y)  # (kept alive into the next step, as in most loops)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            pruner.step()
+            masks = pruner.masks()
+            changes += any(not torch.equal(masks[n], previous[n]) for n in masks)
+            previous = masks
+            if step % 250 == 0:
+                gc.collect()
+                shortcuts = bsrkit.shortcut_info()
+                samples.append((step, bsrkit.cache_info().currsize, shortcuts.checked_calls,
+                                shortcuts.kept_operands, len(gc.get_objects()), _rss_mb()))  # fmt: skip
+                assert len(opt.state) == len(list(model.parameters()))
+    finally:
+        torch.set_num_threads(threads)
+    assert changes >= 600 and pruner.sparse_layers() == ["0", "2"]
+    early = [s for s in samples if s[0] <= 1000]
+    late = [s for s in samples if s[0] > 1000]
+    for column, name in ((1, "plans"), (2, "checked calls"), (3, "kept operands")):
+        assert max(s[column] for s in late) <= max(s[column] for s in early), name
+        assert max(s[column] for s in samples) <= 32, name  # (far below the bounds: 256, 1024)
+    assert max(s[4] for s in late) - max(s[4] for s in early) < 500  # Python objects
+    assert late[-1][5] - early[-1][5] < 16  # MB of resident memory
