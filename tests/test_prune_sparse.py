@@ -325,6 +325,7 @@ def test_no_leak_over_2000_steps_of_changing_patterns():
     flat. (One thread: the test measures counts, not speed.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    bsrkit.cache_clear()  # (the tables are process-wide: count only this test's entries)
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
