@@ -133,3 +133,55 @@ def test_bad_arguments_raise_before_anything_changes(kwargs, error):
 
 def test_public_name():
     assert bsrkit.sparsify_ is sparsify_
+
+
+# -- break-even densities in the tuning table (issue 25) ------------------------------------------------
+
+
+def test_break_even_reads_the_tuning_table_before_the_defaults(tmp_path, monkeypatch):
+    import json
+
+    from bsrkit import break_even, tuning
+
+    table = tmp_path / "tuning.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    default = break_even.break_even_density("cpu", (32, 32))
+    assert default == break_even.DEFAULTS["cpu"][32]
+    key = break_even.table_key(tuning.cpu_device_name(), torch.float32, (32, 32))
+    tuning.save_entries({key: {"density": 0.123}}, table)
+    assert break_even.break_even_density("cpu", (32, 32)) == 0.123
+    assert break_even.break_even_density("cpu", (32, 32), torch.float64) == default  # (another dtype)
+    assert json.loads(table.read_text())["entries"][key]["density"] == 0.123
+    # sparsify_ follows the table: a density above the measured break-even stays dense
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    summary = sparsify_(model, blocksize=32, density=0.2, filter_fn=lambda m, f: True)
+    assert summary.swapped == 0 and "break-even 0.12" in summary.layers[0].reason
+
+
+def test_break_even_defaults_by_device_type_and_blocksize():
+    from bsrkit import break_even
+
+    assert break_even.break_even_density("cpu", (64, 32)) == break_even.DEFAULTS["cpu"][16 * 2]
+    assert break_even.break_even_density("cpu", (8, 8)) == break_even.DEFAULTS["cpu"][16] / 2
+    assert break_even.break_even_density("meta", (32, 32)) == 0.0
+
+
+@pytest.mark.parametrize(
+    "ratios, expected",
+    [([1.2, 1.5, 2.0], 0.0), ([0.2, 0.6, 1.4], 0.25), ([0.2, 0.5, 0.8], 1.0), ([0.5, 1.0, 1.2], 0.2)],
+)
+def test_break_even_crossing_interpolates(ratios, expected):
+    from bsrkit.break_even import _crossing
+
+    assert _crossing([0.1, 0.2, 0.3], ratios) == pytest.approx(expected)
+
+
+def test_tune_break_even_writes_an_entry_sparsify_reads(tmp_path, monkeypatch):
+    from bsrkit import break_even, cli, tuning
+
+    table = tmp_path / "t.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    assert cli.main(["tune", "--break-even", "--sizes", "64", "--blocksizes", "16", "--repeats", "1"]) == 0
+    entry = tuning.load_table(table)[break_even.table_key(tuning.cpu_device_name(), torch.float32, (16, 16))]
+    assert 0.0 <= entry["density"] <= 1.0 and set(entry["ratios"]) == {"1", "512"}
+    assert break_even.break_even_density("cpu", (16, 16)) == entry["density"]

@@ -286,6 +286,8 @@ def _tune(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"bsrkit tune: cannot write the tuning table: {exc}", file=sys.stderr)
         return 2
+    if args.break_even:
+        return _tune_break_even(args, device, device_name, dtype, table)
     shapes = args.shapes or [(n, n, n) for n in args.sizes]
     found: dict[str, dict[str, Any]] = {}
     jobs = [(shape, bs) for shape in shapes for bs in args.blocksizes]
@@ -305,6 +307,29 @@ def _tune(args: argparse.Namespace) -> int:
         for name in (tuning.TABLE_NAMES["addmm", ""], tuning.TABLE_NAMES["addmm", "transposed"]):
             key = tuning.table_key(device_name, name, dtype, (M, K, N), (Ms, Ks))
             found[key] = {**best, "seconds": round(best_t, 6), "density": args.density}
+    path = tuning.save_entries(found, table)
+    print(f"wrote {len(found)} entries to {path}")
+    return 0
+
+
+def _tune_break_even(
+    args: argparse.Namespace, device: torch.device, device_name: str, dtype: torch.dtype, table: Any
+) -> int:
+    """``bsrkit tune --break-even``: each blocksize's break-even density (see bsrkit.break_even)."""
+    from bsrkit import break_even, tuning
+
+    M, K, _ = (args.shapes or [(n, n, n) for n in args.sizes])[0]
+    found = {}
+    for bs in args.blocksizes:
+        entry = break_even.measure(
+            bs, features=(M, K), tokens=(1, 512), dtype=dtype, device=device, repeats=args.repeats
+        )
+        found[break_even.table_key(device_name, dtype, bs)] = {**entry, "features": [M, K]}
+        ratios = "; ".join(f"{n} tokens {r}" for n, r in entry["ratios"].items())
+        print(
+            f"{M}x{K} blocks {bs[0]}x{bs[1]}: break-even density {entry['density']} "
+            f"(sparse/dense time at densities {entry['densities']}: {ratios})"
+        )
     path = tuning.save_entries(found, table)
     print(f"wrote {len(found)} entries to {path}")
     return 0
@@ -393,6 +418,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num-stages", type=_parse_list(int), default=[1, 2, 3], help="Triton num_stages values")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--table", metavar="FILE", default=None, help="tuning table (default: user cache)")
+    p.add_argument(
+        "--break-even",
+        action="store_true",
+        help="measure each blocksize's break-even density against dense (a layer of the first size or "
+        "shape, 1 and 512 tokens) instead; sparsify_ reads it",
+    )
     p.set_defaults(run=tune)
 
     args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ model then computes exactly what a dense model with those pruned weights compute
 
 A layer is kept dense, unless ``force=True``, where the block-sparse product would be slower than dense on
 this machine: when ``density`` is at or above the break-even density of its device, dtype and blocksize
-(:func:`break_even_density`).
+(:func:`bsrkit.break_even.break_even_density`, kept in the tuning table).
 """
 
 from __future__ import annotations
@@ -20,34 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from bsrkit.break_even import break_even_density
 from bsrkit.nn import BSRLinear
 
 __all__ = ["LayerReport", "SparsifySummary", "break_even_density", "default_filter", "sparsify_"]
-
-# Densities at or above which bsr @ dense is no faster than dense, by device kind and square blocksize,
-# from the measured tables of docs/performance.md (a little below each measured crossing, so a layer is
-# only swapped where it is faster). CPU, float32, 2 threads, n = 1024-4096: bsrkit's rate over dense mm was
-# 0.55-0.59 / 0.65-0.74 / 0.69-0.85 at blocksizes 16 / 32 / 64 (the crossing density equals that ratio).
-# H200, bfloat16, n = 8192: bsrkit matched cuBLAS near density 0.17 / 0.30 / 0.40 at blocksizes 32/64/128.
-_BREAK_EVEN: dict[str, dict[int, float]] = {
-    "cpu": {16: 0.5, 32: 0.6, 64: 0.65},
-    "cuda": {32: 0.15, 64: 0.25, 128: 0.35},
-}
-
-
-def break_even_density(device: torch.device | str, blocksize: tuple[int, int]) -> float:
-    """The block density at or above which a block-sparse layer is expected to be no faster than dense on
-    ``device``: the entry of the smallest listed blocksize >= ``min(blocksize)`` (smaller blocks are
-    slower), else of the largest listed one; 0.0 for a device kind without measurements (every layer
-    then stays dense unless forced)."""
-    table = _BREAK_EVEN.get(torch.device(device).type)
-    if not table:
-        return 0.0
-    b = min(blocksize)
-    listed = sorted(table)
-    if b < listed[0]:
-        return table[listed[0]] * b / listed[0]  # (smaller blocks: proportionally less)
-    return table[max(s for s in listed if s <= b)]
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -183,7 +159,8 @@ def sparsify_(
                 f"sparsify_(): expected blocksize {(bo, bi)} to divide the (out, in) features of {fqn!r}, "
                 f"got {features}"
             )
-        limit = break_even_density(module.weight.device, (bo, bi))
+        weight: torch.Tensor = module.weight
+        limit = break_even_density(weight.device, (bo, bi), weight.dtype)
         if not force and density >= limit:
             reason = f"density {density} >= break-even {limit:.2f} on {module.weight.device.type}"
             reports.append(LayerReport(fqn, features, None, reason))
