@@ -16,50 +16,15 @@ that a shared machine's load hits both alike.
 from __future__ import annotations
 
 import argparse
-import copy
-import statistics
-import time
 import warnings
 
 import torch
 
 import bsrkit
-import bsrkit.integrations.transformers
-from bsrkit.benchmarking import peak_rss_mib
+from bsrkit.model_demo import ModelConfig, build, check_logits, compare, format_rows
 
 warnings.filterwarnings("ignore", message="Sparse (BSR|CSR) tensor support is in beta state")
 warnings.filterwarnings("ignore", category=bsrkit.tuning.TuningWarning)
-
-
-def build(args: argparse.Namespace) -> torch.nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=4096,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
-def prefill_seconds(model: torch.nn.Module, tokens: torch.Tensor) -> float:
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        model(tokens)
-        return time.perf_counter() - t0
-
-
-def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, new: int) -> float:
-    """Seconds for ``new`` greedy tokens after the prompt's prefill (the prefill is timed apart)."""
-    with torch.no_grad():
-        out = model(prompt, use_cache=True)
-        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
-        for _ in range(new):
-            out = model(token, cache=cache, use_cache=True)
-            cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-        return time.perf_counter() - t0
 
 
 def main() -> int:
@@ -77,39 +42,25 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=32, help="greedy tokens decoded")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--check", action="store_true", help="also compare logits with the pruned dense twin")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dense = build(args)
+    config = ModelConfig(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab)
+    dense = build(config)
     params = sum(p.numel() for p in dense.parameters())
     print(f"LLaMA-style model: {params / 1e6:.0f} M parameters, {args.layers} layers, hidden {args.hidden}, "
           f"{torch.get_num_threads()} threads, float32, blocksize {args.blocksize}")  # fmt: skip
-    g = torch.Generator().manual_seed(1)
-    long = torch.randint(0, args.vocab, (1, args.prefill), generator=g)
-    prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=g)
-    print(f"{'model':>22} | {'prefill tok/s':>13} {'x dense':>7} | {'decode tok/s':>12} {'x dense':>7} | "
-          f"{'weights MiB':>11} {'prefill peak +MiB':>17}")  # fmt: skip
-    models = {"dense (SDPA)": dense}
-    for d in args.densities:
-        sparse = copy.deepcopy(dense)
-        summary = bsrkit.sparsify_(sparse, blocksize=args.blocksize, density=d, force=True)
-        sparse.config._attn_implementation = "bsrkit"
-        models[f"density {d} ({summary.swapped} layers)"] = sparse
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in models}
-    for model in models.values():  # warm-up: compiles, plans, caches
-        prefill_seconds(model, long)
-        decode_seconds(model, prompt, 2)
-    for _ in range(args.repeats):
+    rows, models = compare(
+        dense, args.densities, blocksize=args.blocksize, prefill=args.prefill, prompt=args.prompt,
+        decode=args.decode, repeats=args.repeats,
+    )  # fmt: skip
+    print(format_rows(rows))
+    if args.check:
+        tokens = torch.randint(0, args.vocab, (1, 32), generator=torch.Generator().manual_seed(2))
         for name, model in models.items():
-            times[name][0].append(prefill_seconds(model, long))
-            times[name][1].append(decode_seconds(model, prompt, args.decode))
-    base_p, base_d = (statistics.median(t) for t in times["dense (SDPA)"])
-    for name, model in models.items():
-        tp, td = (statistics.median(t) for t in times[name])
-        peak = peak_rss_mib(lambda m=model: prefill_seconds(m, long))
-        peak_text = f"{peak:17.0f}" if peak is not None else f"{'n/a':>17}"
-        held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**20
-        print(f"{name:>22} | {args.prefill / tp:>13.1f} {base_p / tp:>7.2f} | {args.decode / td:>12.1f} "
-              f"{base_d / td:>7.2f} | {held:>11.0f} {peak_text}")  # fmt: skip
+            if model is not dense:
+                print(f"{name}: logits vs the pruned dense twin, max relative difference "
+                      f"{check_logits(dense, model, tokens):.1e} (float64)")  # fmt: skip
     return 0
 
 

@@ -196,3 +196,18 @@ def test_a_failing_command_prints_one_line(monkeypatch, capsys):
     assert main(["demo", "--size", "64", "--blocksize", "16", "--repeats", "1"]) == 1
     err = capsys.readouterr().err
     assert err == "bsrkit demo: error: RuntimeError: something broke\n"
+
+
+def test_demo_model_compares_dense_and_sparsified_and_checks_logits(capsys):
+    pytest.importorskip("transformers")
+    argv = ["demo", "--model", "--hidden", "64", "--layers", "1", "--blocksize", "16", "--repeats", "1"]
+    assert main([*argv, "--density", "0.5,0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "dense (SDPA)" in out and "density 0.25 (7 layers)" in out and "density 0.5 (7 layers)" in out
+    assert "max relative difference" in out and out.rstrip().endswith("OK")
+
+
+def test_demo_model_rejects_a_hidden_size_it_cannot_split(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--model", "--hidden", "96"])
+    assert "--hidden must be a multiple of 64" in capsys.readouterr().err

@@ -61,7 +61,42 @@ def demo(args: argparse.Namespace) -> int:
         return _demo(args)
 
 
+def _model_demo(args: argparse.Namespace) -> int:
+    """``bsrkit demo --model``: a small LLaMA-style model, dense against sparsify_ + bsrkit attention."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("bsrkit demo --model: needs transformers (pip install 'bsrkit[hf]')", file=sys.stderr)
+        return 2
+    import bsrkit
+    from bsrkit import model_demo
+
+    config = model_demo.ModelConfig(
+        hidden=args.hidden, intermediate=args.hidden * 11 // 4 // 32 * 32, layers=args.layers,
+        heads=max(1, args.hidden // 64), kv_heads=max(1, args.hidden // 64), vocab=4000,
+    )  # fmt: skip
+    dense = model_demo.build(config)
+    params = sum(p.numel() for p in dense.parameters())
+    print(f"bsrkit {bsrkit.__version__} demo --model: LLaMA-style model, {params / 1e6:.0f} M parameters "
+          f"({args.layers} layers, hidden {args.hidden}, random weights), {torch.get_num_threads()} threads, "
+          f"float32; decoder linear layers block-sparse at blocksize {args.blocksize} (sparsify_), "
+          f"attention on bsrkit; dense model on SDPA")  # fmt: skip
+    rows, models = model_demo.compare(
+        dense, args.density, blocksize=args.blocksize, prefill=256, prompt=32, decode=16,
+        repeats=args.repeats,
+    )  # fmt: skip
+    print(model_demo.format_rows(rows))
+    tokens = torch.randint(0, config.vocab, (1, 24), generator=torch.Generator().manual_seed(2))
+    worst = max(model_demo.check_logits(dense, m, tokens) for m in models.values() if m is not dense)
+    ok = worst < 1e-10
+    print(f"logits vs the dense model holding the same pruned weights (float64): max relative difference "
+          f"{worst:.1e} {'OK' if ok else 'FAIL'}")  # fmt: skip
+    return 0 if ok else 1
+
+
 def _demo(args: argparse.Namespace) -> int:
+    if args.model:
+        return _model_demo(args)
     import bsrkit
     from bsrkit import reference, tuning
 
@@ -381,8 +416,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("demo", help="multiply a random BSR weight by a dense matrix and compare")
     p.add_argument("--size", type=_parse_list(int), default=[2048], help="matrix size n (default 2048)")
     p.add_argument("--blocksize", type=_parse_list(int), default=[32], help="block size (default 32)")
-    p.add_argument("--density", type=_parse_list(float), default=[0.1], help="block density (0.1)")
+    p.add_argument(
+        "--density", type=_parse_list(float), default=None, help="block density (0.1; --model: 0.5,0.25,0.1)"
+    )
     p.add_argument("--repeats", type=_parse_list(int), default=[5], help="timed repeats (default 5)")
+    p.add_argument(
+        "--model", action="store_true", help="a small transformer instead: dense vs sparsify_ (needs [hf])"
+    )
+    p.add_argument("--hidden", type=int, default=512, help="--model: hidden size (512)")
+    p.add_argument("--layers", type=int, default=4, help="--model: decoder layers (4)")
     p.set_defaults(run=demo)
 
     p = sub.add_parser("bench", help="time bsrkit vs torch native BSR vs dense over a grid")
@@ -428,12 +470,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "demo":
-        for name in ("size", "blocksize", "density", "repeats"):
+        if args.density is None:
+            args.density = [0.5, 0.25, 0.1] if args.model else [0.1]
+        if max(args.density) > 1:
+            parser.error(f"--density must be in (0, 1], got {max(args.density)}")
+        for name in (
+            ("size", "blocksize", "repeats") if args.model else ("size", "blocksize", "density", "repeats")
+        ):
             setattr(args, name, getattr(args, name)[0])
-        if args.size % args.blocksize:
+        if args.model:
+            if args.hidden % 64 or args.hidden % args.blocksize or args.layers < 1:
+                parser.error(
+                    f"--hidden must be a multiple of 64 and of --blocksize, --layers >= 1, got "
+                    f"{args.hidden}, {args.blocksize}, {args.layers}"
+                )
+        elif args.size % args.blocksize:
             parser.error(f"--size must be a multiple of --blocksize, got {args.size} and {args.blocksize}")
-        if args.density > 1:
-            parser.error(f"--density must be in (0, 1], got {args.density}")
     elif args.command == "bench":
         _check_grid(parser, args)
     else:
