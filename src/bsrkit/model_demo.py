@@ -47,7 +47,7 @@ class Row:
     peak_mib: float | None
 
 
-def build(config: ModelConfig, seed: int = 0) -> torch.nn.Module:
+def build(config: ModelConfig, seed: int = 0) -> Any:
     """The dense model (random weights, ``seed``), in eval mode, on SDPA attention."""
     import transformers
 
@@ -60,14 +60,14 @@ def build(config: ModelConfig, seed: int = 0) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(llama, attn_implementation="sdpa").eval()
 
 
-def sparsified(dense: torch.nn.Module, blocksize: int, density: float) -> tuple[torch.nn.Module, Any]:
+def sparsified(dense: Any, blocksize: int, density: float) -> tuple[Any, Any]:
     """A copy of ``dense`` with every decoder linear layer block-sparse (forced: the table shows every
     density) and bsrkit attention; with :func:`bsrkit.sparsify_`'s summary."""
-    import bsrkit
-    import bsrkit.integrations.transformers  # (registers attn_implementation="bsrkit")
+    import bsrkit.integrations.transformers  # noqa: F401  (registers attn_implementation="bsrkit")
+    from bsrkit.sparsify import sparsify_
 
     sparse = copy.deepcopy(dense)
-    summary = bsrkit.sparsify_(sparse, blocksize=blocksize, density=density, force=True)
+    summary = sparsify_(sparse, blocksize=blocksize, density=density, force=True)
     sparse.config._attn_implementation = "bsrkit"
     return sparse, summary
 
@@ -99,7 +99,7 @@ def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, new: int) -> fl
         return time.perf_counter() - t0
 
 
-def check_logits(dense: torch.nn.Module, sparse: torch.nn.Module, tokens: torch.Tensor) -> float:
+def check_logits(dense: Any, sparse: Any, tokens: torch.Tensor) -> float:
     """Max relative difference of the sparse model's logits from those of the dense model holding the
     same pruned weights (each BSRLinear's dense twin) on SDPA attention, in float64."""
     from bsrkit.nn import BSRLinear
@@ -123,7 +123,7 @@ def check_logits(dense: torch.nn.Module, sparse: torch.nn.Module, tokens: torch.
 
 
 def compare(
-    dense: torch.nn.Module,
+    dense: Any,
     densities: list[float],
     *,
     blocksize: int = 32,
