@@ -2,8 +2,8 @@
 
 Every operand reaches a kernel as (address of its storage, per-batch element offsets, strides) with a
 layout BLAS can read (unit stride along one dimension), copying only when it has none. float16/bfloat16
-accumulate in a float32 buffer. Kernel calls are serialised (see ``_KERNEL_LOCK``) and run on
-``params["nthreads"]`` numba threads.
+accumulate in a float32 buffer. Kernel calls are serialised and run on ``params["nthreads"]`` numba threads
+(:mod:`.running`, which also makes the prepared calls returned here).
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import functools
 import math
 import os
 import platform
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -22,11 +21,11 @@ import torch
 import bsrkit.backends.cpu.attention_kernels as attention_kernels
 import bsrkit.backends.cpu.kernels as kernels
 import bsrkit.backends.cpu.planning as planning
+import bsrkit.backends.cpu.running as running
 import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit.backends.base import ParamSpec, int_at_least_one
 from bsrkit.backends.batching import block_coordinates, bsr_batch_of
 from bsrkit.backends.torch_ops import TorchBackend
-from bsrkit.loading import import_module
 
 if TYPE_CHECKING:
     from bsrkit.backends.cpu.compiled.gemm import BsrMMArgs
@@ -37,6 +36,9 @@ if TYPE_CHECKING:
     from bsrkit.operand import Operand
 
 __all__ = ["CpuBackend", "cpu_device_name"]
+
+_run = running.run
+Rerun = running.Rerun
 
 _KINDS = {
     torch.float32: kernels.KIND_F32,
@@ -58,90 +60,6 @@ _SERIAL_WORK = 2**21
 # a gemm per block: measured in docs/performance.md (benchmarks/decode.py). ``meta={"small_n": bool}``
 # forces either path (float32/float64; half types always take the gemm path).
 _SMALL_N_MAX = 16
-
-# numba's default (workqueue) threading layer must not be entered from two threads at once; the kernel
-# already uses every worker thread, so serialising calls costs little.
-_KERNEL_LOCK = threading.Lock()
-
-# A prepared call: ``rerun(values, dense, out)`` runs a product with the layouts it was prepared for.
-Rerun = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-def _prepared(
-    kernel: Any, full_args: Any, values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor
-) -> Rerun:
-    """The prepared call of the marshaled record ``full_args``: it patches in the data addresses (each
-    relative to its operand's data: the operands were passed uncopied, so their storages are the ones
-    addressed). A serial call holds the packed block of its C entry (see
-    ``compiled.entries.PackedEntry``), which addresses the arrays of ``full_args``: the call holds both.
-    The caller keeps it (:mod:`bsrkit.shortcuts`); the backend does not."""
-    a_addr, b_addr, c_addr = kernels.data_addresses(full_args)
-    values_at = values.data_ptr() - a_addr
-    dense_at = dense.data_ptr() - b_addr
-    out_offset = out.data_ptr() - c_addr
-    rerun: Rerun
-    if full_args.nthreads == 1:
-        block = kernel.serial.pack(full_args)
-        c_call, address = kernel.serial.c_call, block.ctypes.data
-
-        def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor) -> None:
-            a_addr, b_addr = values.data_ptr() - values_at, dense.data_ptr() - dense_at
-            c_addr = out.data_ptr() - out_offset
-            with _KERNEL_LOCK:
-                c_call(address, a_addr, b_addr, c_addr)
-
-        rerun.keep = (block, full_args)  # type: ignore[attr-defined]  # (what the block addresses)
-
-    else:
-        patch, run_prepared, nthreads = (
-            kernels.data_patcher(full_args),
-            kernel.run_prepared,
-            full_args.nthreads,
-        )
-
-        def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor) -> None:
-            args = patch(
-                values.data_ptr() - values_at, dense.data_ptr() - dense_at, out.data_ptr() - out_offset
-            )
-            _run(run_prepared, nthreads, args)
-
-    return rerun
-
-
-_numba_threads = threading.local()  # numba's thread count is per calling thread: remember what we set
-
-
-def _set_numba_threads(n: int) -> None:
-    if getattr(_numba_threads, "n", None) != n:
-        numba = import_module("numba")
-        _launch_numba_threads()
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-        _numba_threads.n = n
-
-
-@functools.cache
-def _launch_numba_threads() -> None:
-    """Start numba's worker pool, keeping torch's thread count.
-
-    numba's OpenMP layer starts its pool with ``omp_set_num_threads(NUMBA_NUM_THREADS)``, and torch's CPU
-    wheels load the same ``libgomp.so.1``: the process-wide count torch reads (``torch.get_num_threads()``)
-    and uses for its own ops would silently become numba's (measured: 1 -> 2 after the first product). The
-    pool is started here, once, and torch's count put back.
-    """
-    parallel = import_module("numba.np.ufunc.parallel")  # (the first product's: see bsrkit.loading)
-    threads = torch.get_num_threads()
-    parallel._launch_threads()
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
-def _run(kernel: Any, nthreads: int, *args: Any) -> None:
-    """Call a compiled loop on ``nthreads`` numba threads, one call at a time (see ``_KERNEL_LOCK``)."""
-    with _KERNEL_LOCK:
-        _set_numba_threads(nthreads)
-        if hasattr(kernel, "overloads"):  # a numba dispatcher (its kind: the dtypes of its arrays)
-            kernels.ensure_compiled(kernel, args, tuple(a.dtype.char for a in args if hasattr(a, "dtype")))
-        kernel(*args)
 
 
 def _batch_offsets(t: torch.Tensor, t_batch_ndim: int, batch: torch.Size) -> np.ndarray:
@@ -303,6 +221,7 @@ def _addmm_small(
         x_ld = x.stride(-2)
     if math.prod(batch) * a.nnz * Ms * Ks * max(N, 4) < _SERIAL_WORK:
         nthreads = 1
+    crow_live, col_live, live_wide = running.live_indices(a, plan.crow, plan.col)
     Args: type[BsrMMSmallArgs] = kernel.Args
     args = Args(
         kind=_KINDS[out.dtype], crow=plan.crow, col=plan.col, cum=plan.cost,
@@ -313,10 +232,11 @@ def _addmm_small(
         c_addr=_base_address(out), c_boff=_batch_offsets(out, out.ndim - 2, batch),
         c_rs=out.stride(-2), c_cs=out.stride(-1),
         Ms=Ms, Ks=Ks, N=N, Wp=width, alpha=alpha, overwrite=overwrite,
+        proof=np.zeros(2, np.int64), crow_live=crow_live, col_live=col_live, live_wide=live_wide,
     )  # fmt: skip
     full_args = kernel.prepare(args)
     if x.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr():  # (dense was not copied)
-        rerun = _prepared(kernel, full_args, values, dense, out)
+        rerun = running.prepared(kernel, full_args, values, dense, out)
         rerun(values, dense, out)
         return rerun
     _run(kernel.run_prepared, nthreads, full_args)
@@ -415,7 +335,7 @@ class CpuBackend:
         )  # fmt: skip
         full_args = kernel.prepare(args)
         if values is a.values and dense is original_dense and target is out:  # (no copies were needed)
-            rerun = _prepared(kernel, full_args, values, dense, out)
+            rerun = running.prepared(kernel, full_args, values, dense, out)
             rerun(values, dense, out)
             return rerun
         _run(kernel.run_prepared, nthreads, full_args)

@@ -141,6 +141,18 @@ def int64_pointer(typingctx, address):
 
 
 @intrinsic
+def int32_pointer(typingctx, address):
+    """``address`` (int64) as a pointer to int32."""
+    check_scalars((address,))
+
+    def codegen(context, builder, signature, llargs):
+        ptr = context.get_value_type(signature.return_type)
+        return builder.inttoptr(context.cast(builder, llargs[0], signature.args[0], types.int64), ptr)
+
+    return types.CPointer(types.int32)(address), codegen
+
+
+@intrinsic
 def float32_from_bits(typingctx, bits):
     """The float32 whose bit pattern is the int32 ``bits`` (vectorizes, unlike a store and reload)."""
     if not isinstance(bits, types.Integer):
