@@ -229,3 +229,20 @@ class Snapshot:
                 if not d.unchanged():
                     return False
         return True
+
+    def intact(self) -> bool:
+        """The first half of :meth:`unchanged`, without reading any data: every host storage alive,
+        unmoved and still large enough, so that its copied bytes may be read at the addresses they were
+        copied from; no opaque tensor and no device memory (which only :meth:`unchanged` can prove).
+
+        For a compiled loop that compares the memory itself while it runs (a CPU prepared call: see
+        :mod:`bsrkit.shortcuts`): its caller asks this first, then trusts the derived value only if the
+        loop compared every byte of the snapshot and found it unchanged. Ignores
+        ``$BSRKIT_CHECK_PLANS`` (the caller reads it)."""
+        if self._opaque or self._device:
+            return False
+        for ref, base, end, _, _ in self._host:
+            s = ref()
+            if s is None or s.data_ptr() != base or s.nbytes() < end:
+                return False
+        return True

@@ -27,6 +27,12 @@ what it was when the entry was made:
   version counter, so the snapshot is of its members), and every other way to an operand goes through the
   plan cache, whose hits compare the same proof. Prepared calls hang on the ``Pattern`` that proof
   belongs to: a changed pattern gets a new ``Pattern`` and so no old prepared call;
+- the one deferred proof: a product that can rerun a prepared call whose loop compares the index data
+  itself (``rerun.proves``: the CPU vector loops) takes the kept operand with only the cheap half of the
+  proof (:meth:`~bsrkit.freshness.Snapshot.intact`: storages alive, unmoved, large enough), and trusts
+  nothing derived from the index data until that loop's verdict (or, on any other way, the full proof in
+  :func:`bsrkit.dispatch.addmm`); a loop that finds a difference raises :class:`StalePattern`, and the
+  product is recomputed on the rebuilt pattern (:func:`forget_operand`, see :func:`bsrkit.ops.checked_addmm`);
 - tuning state, by identity of the table and warnings that chose the parameters.
 
 **Bounds.** A table that reaches its bound is cleared whole (hits stay O(1); a workload that cycles
@@ -59,15 +65,18 @@ __all__ = [
     "CHECKED_CALLS_MAX",
     "CheckedCall",
     "ShortcutInfo",
+    "StalePattern",
     "cache_clear",
     "checked_call",
     "clear",
+    "forget_operand",
     "info",
     "keep_checked_call",
     "keep_operand",
     "keep_prepared_call",
     "kept_operand",
     "prepared_call",
+    "proven_in_loop",
 ]
 
 CHECKED_CALLS_MAX = 1024
@@ -99,10 +108,17 @@ class ShortcutInfo(NamedTuple):
     kept_operands: int  # wrappers held
     call_hits: int
     call_misses: int  # products that prepared (and returned) a call to keep
+    loop_proofs: int  # prepared calls whose loop compared the kept operand's index data (a deferred proof)
+    loop_stale: int  # ... and found it changed: recomputed on the rebuilt pattern
 
 
-# checked_hits, checked_misses, operand_hits, call_hits, call_misses
-_counts = [0, 0, 0, 0, 0]
+class StalePattern(Exception):
+    """A kept operand's index data changed since its pattern was judged, found by a deferred proof (see
+    the module's docstring): nothing derived from it may be used; the product is computed again."""
+
+
+# checked_hits, checked_misses, operand_hits, call_hits, call_misses, loop_proofs, loop_stale
+_counts = [0, 0, 0, 0, 0, 0, 0]
 
 _checked: dict[tuple[Any, ...], CheckedCall] = {}
 
@@ -137,14 +153,23 @@ def keep_checked_call(signature: tuple[Any, ...], checked: CheckedCall) -> None:
 _operands: dict[int, tuple[Any, ...]] = {}
 
 
-def kept_operand(bsr: torch.Tensor) -> Operand | None:
+def kept_operand(bsr: torch.Tensor, compare: bool | None = None) -> Operand | None:
     """The operand kept for this very ``bsr`` (:func:`keep_operand`), or None when it may have changed
-    since. A hit counts as a hit of the plan cache too (it stands for one)."""
+    since. A hit counts as a hit of the plan cache too (it stands for one).
+
+    ``compare``: None, the whole proof (:meth:`~bsrkit.freshness.Snapshot.unchanged`, under
+    ``$BSRKIT_CHECK_PLANS``); True, its cheap half only (``intact``: None where that cannot stand for it,
+    a snapshot of device memory), the caller comparing the index data before it trusts anything derived
+    from it (a deferred proof: see the module's docstring); False, nothing (the caller read
+    ``$BSRKIT_CHECK_PLANS=0``)."""
     seen = _operands.get(id(bsr))
     if seen is None or seen[0]() is not bsr or seen[1] != bsr._cdata or seen[2] != bsr._version:
         return None
-    if not seen[4].unchanged():
-        return None  # its pattern was written since: the caller rebuilds (and revalidates) it
+    if compare is None:
+        if not seen[4].unchanged():
+            return None  # its pattern was written since: the caller rebuilds (and revalidates) it
+    elif compare and not seen[4].intact():
+        return None
     _counts[2] += 1
     plans.count_hit()
     return seen[3]
@@ -160,6 +185,26 @@ def keep_operand(bsr: torch.Tensor, version: int, operand: Operand) -> None:
     forget = functools.partial(_operands.pop, id(bsr))  # called as pop(id, ref)
     proof = operand.pattern.proof  # (of the memory of bsr's members: the pattern's key names it)
     _operands[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand, proof)
+
+
+def forget_operand(bsr: torch.Tensor, a: Operand) -> None:
+    """Drop what a deferred proof found stale (:class:`StalePattern`): ``bsr``'s kept operand ``a`` and
+    what hangs on its pattern (plans and prepared calls). The next product rebuilds them through the plan
+    cache, which compares the index data again (and revalidates a changed pattern)."""
+    seen = _operands.get(id(bsr))
+    if seen is not None and seen[3] is a:
+        _operands.pop(id(bsr), None)
+    if a.pattern is not None:
+        a.pattern.forget()
+
+
+def proven_in_loop(differ: int) -> None:
+    """Count a deferred proof made by a prepared call's loop (``differ``: the entries it found changed);
+    raise :class:`StalePattern` if any."""
+    if differ:
+        _counts[6] += 1
+        raise StalePattern
+    _counts[5] += 1
 
 
 # -- prepared calls ---------------------------------------------------------------------------------------
@@ -208,10 +253,11 @@ def _table(a: Operand, checked: CheckedCall | None) -> dict[Any, Any] | None:
 
 def info() -> ShortcutInfo:
     """Hits, misses and sizes of the shortcut tables."""
-    checked_hits, checked_misses, operand_hits, call_hits, call_misses = _counts
+    checked_hits, checked_misses, operand_hits, call_hits, call_misses, loop_proofs, loop_stale = _counts
     return ShortcutInfo(
-        checked_hits, checked_misses, len(_checked), operand_hits, len(_operands), call_hits, call_misses
-    )
+        checked_hits, checked_misses, len(_checked), operand_hits, len(_operands), call_hits, call_misses,
+        loop_proofs, loop_stale,
+    )  # fmt: skip
 
 
 def clear() -> None:
