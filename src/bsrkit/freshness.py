@@ -18,7 +18,9 @@ between the elements (another column of a matrix) is a needless rebuild, never a
 **Cost.** Per tensor a copy at snapshot time and, per hit, a check that the storage is alive, unmoved and
 large enough, then a byte comparison: about 0.55 µs for a small pattern's ``crow`` and ``col`` together,
 about 1 µs at 13 KiB (measured in ``docs/performance.md``), then memory-bound (the memory and the copy are
-both read).
+both read). A CPU product with few columns on a kept operand pays only the storage check here
+(:meth:`Snapshot.intact`): its compiled loop compares the bytes while it runs (the deferred proof of
+:mod:`bsrkit.shortcuts`), reading only the live index entries beside the copies it reads anyway.
 
 **Per device** (``$BSRKIT_CHECK_PLANS``, read on every check):
 
