@@ -12,7 +12,7 @@ import functools
 import math
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -189,7 +189,8 @@ def _addmm_small(
     nthreads: int,
 ) -> Rerun | None:
     """``addmm`` on the vector loops for few columns (see :func:`kernels.bsr_mm_small_kernel`): dense is
-    copied (zero-padded) into the layout they read unless it has it already; blocks and out never are."""
+    copied (zero-padded) into the layout they read unless it has it already, into a buffer that the
+    prepared call keeps and fills on each rerun; blocks and out are never copied."""
     values = a.values
     kernel = kernels.bsr_mm_small_kernel()
     plan = planning.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
@@ -199,9 +200,10 @@ def _addmm_small(
     lanes = 8 if out.dtype == torch.float32 else 4
     # Dot products along k for one column (or up to four, when that is under a vector's width).
     along_k = (N == 1 or lanes // 2 >= N) and Ks % lanes == 0 and (values.stride(-1) == 1 or Ks == 1)
+    fill = None  # (dense into x, when x is a copy: see running.prepared)
     if along_k and N == 2 and dense.stride(-1) == 1 and dense.stride(-2) == 2:
-        # Row-major (.., K, 2): the two-column loop reads it as it is (no copy, so the marshaled arguments
-        # are kept), splitting each load into its two columns.
+        # Row-major (.., K, 2): the two-column loop reads it as it is (no copy), splitting each load into
+        # its two columns.
         dot, width, x, x_ld = kernels.DOT_PAIRS, 2, dense, 2
     elif along_k:
         dot = kernels.DOT_COLUMNS
@@ -209,7 +211,7 @@ def _addmm_small(
         x = dense.mT  # (.., Wp, K) rows contiguous along k
         if not (width == N and (x.stride(-1) == 1 or K == 1)):
             x = dense.new_zeros((*dense.shape[:-2], width, K))
-            x[..., :N, :].copy_(dense.mT)
+            fill = _filler(x[..., :N, :], transposed=True)
         x_ld = x.stride(-2) if width > 1 else K
     else:
         dot = kernels.DOT_NONE
@@ -217,7 +219,7 @@ def _addmm_small(
         x = dense  # (.., K, Wp) rows contiguous along the columns
         if not (width == N and x.stride(-1) == 1):
             x = dense.new_zeros((*dense.shape[:-2], K, width))
-            x[..., :N].copy_(dense)
+            fill = _filler(x[..., :N], transposed=False)
         x_ld = x.stride(-2)
     if math.prod(batch) * a.nnz * Ms * Ks * max(N, 4) < _SERIAL_WORK:
         nthreads = 1
@@ -235,12 +237,18 @@ def _addmm_small(
         proof=np.zeros(2, np.int64), crow_live=crow_live, col_live=col_live, live_wide=live_wide,
     )  # fmt: skip
     full_args = kernel.prepare(args)
-    if x.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr():  # (dense was not copied)
-        rerun = running.prepared(kernel, full_args, values, dense, out)
-        rerun(values, dense, out)
-        return rerun
-    _run(kernel.run_prepared, nthreads, full_args)
-    return None
+    rerun = running.prepared(kernel, full_args, values, dense, out, fill)
+    rerun(values, dense, out)
+    return rerun
+
+
+def _filler(xs: torch.Tensor, transposed: bool) -> Callable[[torch.Tensor], None]:
+    """``fill(dense)``: dense (transposed: ``dense.mT``) copied into ``xs``, the columns of a kept X."""
+
+    def fill(dense: torch.Tensor) -> None:
+        xs.copy_(dense.mT if transposed else dense)
+
+    return fill
 
 
 class CpuBackend:

@@ -30,7 +30,12 @@ Rerun = Callable[..., Any]
 
 
 def prepared(
-    kernel: Any, full_args: Any, values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor
+    kernel: Any,
+    full_args: Any,
+    values: torch.Tensor,
+    dense: torch.Tensor,
+    out: torch.Tensor,
+    fill: Callable[[torch.Tensor], None] | None = None,
 ) -> Rerun:
     """The prepared call of the marshaled record ``full_args``: it patches in the data addresses (each
     relative to its operand's data: the operands were passed uncopied, so their storages are the ones
@@ -38,13 +43,17 @@ def prepared(
     ``compiled.entries.PackedEntry``), which addresses the arrays of ``full_args``: the call holds both.
     The caller keeps it (:mod:`bsrkit.shortcuts`); the backend does not.
 
+    ``fill``: the record addresses a copy of dense (a buffer of the layout the loop reads, which ``fill``
+    holds): each call first fills it with its dense operand, under the kernel lock with the loop (two
+    threads may run one call), and the record's dense address stays.
+
     ``rerun.proves``: the record addresses the operand's live index memory (``crow_live``, see
     :class:`.compiled.small.BsrMMSmallArgs`), so ``rerun(..., prove=True)`` compares it in the loop with
     the plan the call runs on and returns the number of differing entries (the flag and the count travel
     in the record's ``proof`` array, set and read under the kernel lock)."""
     a_addr, b_addr, c_addr = kernels.data_addresses(full_args)
     values_at = values.data_ptr() - a_addr
-    dense_at = dense.data_ptr() - b_addr
+    dense_at = dense.data_ptr() - b_addr if fill is None else None  # (None: the kept copy's, b_addr)
     out_offset = out.data_ptr() - c_addr
     proof = getattr(full_args, "proof", None)
     # (a memoryview: item access ~3x cheaper than numpy's)
@@ -55,7 +64,7 @@ def prepared(
         block = kernel.serial.pack(full_args)
         c_call, address = kernel.serial.c_call, block.ctypes.data
 
-        if flag is not None:
+        if flag is not None and dense_at is not None:  # (the common decode call: fewest branches)
 
             def rerun(
                 values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, prove: bool = False
@@ -72,11 +81,16 @@ def prepared(
             def rerun(
                 values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, prove: bool = False
             ) -> int:
-                a_addr, b_addr = values.data_ptr() - values_at, dense.data_ptr() - dense_at
-                c_addr = out.data_ptr() - out_offset
+                a_addr, c_addr = values.data_ptr() - values_at, out.data_ptr() - out_offset
                 with KERNEL_LOCK:
-                    c_call(address, a_addr, b_addr, c_addr)
-                return 0
+                    if fill is not None:
+                        fill(dense)
+                    if flag is not None:
+                        flag[0] = prove
+                    c_call(
+                        address, a_addr, b_addr if dense_at is None else dense.data_ptr() - dense_at, c_addr
+                    )
+                    return 0 if flag is None else flag[1]
 
         rerun.keep = (block, full_args)  # type: ignore[attr-defined]  # (what the block addresses)
 
@@ -89,16 +103,18 @@ def prepared(
 
         def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, prove: bool = False) -> int:
             args = patch(
-                values.data_ptr() - values_at, dense.data_ptr() - dense_at, out.data_ptr() - out_offset
+                values.data_ptr() - values_at,
+                b_addr if dense_at is None else dense.data_ptr() - dense_at,
+                out.data_ptr() - out_offset,
             )
-            if flag is None:
-                run(run_prepared, nthreads, args)
-                return 0
             with KERNEL_LOCK:
-                flag[0] = prove
+                if fill is not None:
+                    fill(dense)
+                if flag is not None:
+                    flag[0] = prove
                 set_numba_threads(nthreads)
                 run_prepared(args)
-                return flag[1]
+                return 0 if flag is None else flag[1]
 
     rerun.proves = proves  # type: ignore[attr-defined]
     return rerun
