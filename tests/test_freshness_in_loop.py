@@ -1,6 +1,7 @@
-"""The deferred proof: a repeated product on a kept operand with few columns (the CPU vector loops) skips
-the Python comparison of its index data; the prepared call's loop compares every entry of its plan with
-the live memory instead, and a difference rebuilds the pattern and recomputes the product.
+"""The deferred proof: a repeated product on a kept operand (the CPU vector loops for N <= 16, the gemm
+loop above) skips the Python comparison of its index data; the prepared call's loop compares every entry
+of its plan with the live memory instead, and a difference rebuilds the pattern and recomputes the
+product.
 
 Each test watches the counters (``bsrkit.shortcut_info()``: ``loop_proofs``, ``loop_stale``) and that
 ``Snapshot.unchanged`` is not what caught the write; serially (the C entry) and on two numba threads (the
@@ -90,9 +91,8 @@ def _warm(b: torch.Tensor, x: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("layout", ["row-major", "column-major"])
-@pytest.mark.parametrize(
-    "N", [1, 2, 3, 4, 5, 16]
-)  # the dot-product loops (1, 2, 4 columns), the broadcast one
+# The vector loops' dot products (1, 2 and 4 columns) and broadcast (5, 16), and the gemm loop (40).
+@pytest.mark.parametrize("N", [1, 2, 3, 4, 5, 16, 40])
 def test_a_repeated_product_is_proven_in_the_loop_not_in_python(threads, python_proofs, N, layout):
     """Whether the loop reads dense in place or a copy that its prepared call keeps and fills."""
 
@@ -152,10 +152,16 @@ def test_a_write_while_kept_is_caught_by_the_loop(threads, write, dtype):
     assert _check(b, torch.randn(SIZE, 4)) == (1, 1, 0)
 
 
+@pytest.mark.parametrize("N", [1, 40])  # the vector loops; the gemm loop in three panels of 16 columns
 @pytest.mark.parametrize("at", range(len(COL)))
-def test_every_entry_is_compared(threads, at):
+def test_every_entry_is_compared(threads, at, N, monkeypatch, tmp_path):
     """A write to any one column index (each read by one worker only) or any inner row pointer."""
-    b, x = _bsr(), torch.randn(SIZE, 1)
+    from bsrkit import tuning
+
+    key = tuning.table_key(tuning.cpu_device_name(), "bsr_dense_mm", torch.float32, (SIZE, SIZE, N), (BS, BS))
+    tuning.save_entries({key: {"panel": 16}}, tmp_path / "table.json")
+    monkeypatch.setenv("BSRKIT_TUNING_TABLE", str(tmp_path / "table.json"))
+    b, x = _bsr(), torch.randn(SIZE, N)
     _warm(b, x)
     col = b.col_indices().numpy()
     col[at] = (col[at] + 1) % GRID
@@ -225,24 +231,22 @@ def test_check_mode_0_compares_nothing_in_the_loop_either(threads, monkeypatch):
     assert _check(b, x)[2] == 1
 
 
-@pytest.mark.parametrize("how", ["N > 16", "transposed", "addmm"])
+@pytest.mark.parametrize("how", ["transposed", "addmm"])
 def test_other_products_keep_the_python_proof(threads, python_proofs, how):
-    """The gemm loop (N > 16), the transposed product and products with an input take no deferred
-    proof: a write is caught in Python, as before."""
+    """The transposed product and products with an input take no deferred proof: a write is caught in
+    Python, as before."""
     b = _bsr()
-    x = torch.randn(SIZE, 40 if how == "N > 16" else 2)
+    x = torch.randn(SIZE, 2)
 
     def product() -> None:
         if how == "transposed":
             got, want = bsrkit.bsr_transposed_dense_mm(b, x), reference.bsr_transposed_dense_mm(b, x)
-        elif how == "addmm":
+        else:
             inp = torch.ones(SIZE, 2)
             got, want = (
                 bsrkit.bsr_dense_addmm(inp, b, x, beta=0.5),
                 reference.bsr_dense_addmm(inp, b, x, beta=0.5),
             )
-        else:
-            got, want = bsrkit.bsr_dense_mm(b, x), reference.bsr_dense_mm(b, x)
         assert_close(got, want, k=SIZE)
 
     for _ in range(2):

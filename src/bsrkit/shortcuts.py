@@ -28,11 +28,12 @@ what it was when the entry was made:
   plan cache, whose hits compare the same proof. Prepared calls hang on the ``Pattern`` that proof
   belongs to: a changed pattern gets a new ``Pattern`` and so no old prepared call;
 - the one deferred proof: a product that can rerun a prepared call whose loop compares the index data
-  itself (``rerun.proves``: the CPU vector loops) takes the kept operand with only the cheap half of the
-  proof (:meth:`~bsrkit.freshness.Snapshot.intact`: storages alive, unmoved, large enough), and trusts
-  nothing derived from the index data until that loop's verdict (or, on any other way, the full proof in
-  :func:`bsrkit.dispatch.addmm`); a loop that finds a difference raises :class:`StalePattern`, and the
-  product is recomputed on the rebuilt pattern (:func:`forget_operand`, see :func:`bsrkit.ops.checked_addmm`);
+  itself (``rerun.proves``: the CPU loops of bsr @ dense) takes the kept operand with only the cheap half
+  of the proof (:meth:`~bsrkit.freshness.Snapshot.intact`: storages alive, unmoved, large enough), and
+  trusts nothing derived from the index data until that loop's verdict (or, on any other way, the full
+  proof in :func:`bsrkit.dispatch.addmm`); a loop that finds a difference raises :class:`StalePattern`,
+  and the product is recomputed on the rebuilt pattern (:func:`forget_operand`, see
+  :func:`bsrkit.ops.checked_addmm`);
 - tuning state, by identity of the table and warnings that chose the parameters.
 
 **Bounds.** A table that reaches its bound is cleared whole (hits stay O(1); a workload that cycles

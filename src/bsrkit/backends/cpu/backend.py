@@ -328,6 +328,7 @@ class CpuBackend:
         nthreads = params["nthreads"]
         if math.prod(batch) * a.nnz * Ms * Ks * N < _SERIAL_WORK:
             nthreads = 1
+        crow_live, col_live, live_wide = running.live_indices(a, plan.crow, plan.col)
         Args: type[BsrMMArgs] = kernel.Args
         args = Args(
             kind=_KINDS[out.dtype], crow=plan.crow, col=plan.col, cum=plan.cost,
@@ -340,6 +341,7 @@ class CpuBackend:
             c_rs=target.stride(-2), c_cs=target.stride(-1), c_rowmajor=c_rowmajor, ldc=ldc,
             Ms=Ms, Ks=Ks, N=N, panel=params["panel"], alpha=alpha, overwrite=overwrite,
             isz_ab=values.element_size(), isz_c=target.element_size(),
+            proof=np.zeros(2, np.int64), crow_live=crow_live, col_live=col_live, live_wide=live_wide,
         )  # fmt: skip
         full_args = kernel.prepare(args)
         if values is a.values and dense is original_dense and target is out:  # (no copies were needed)

@@ -276,6 +276,26 @@ def gemm_scalars(kind, alpha, swap, a_rowmajor, b_rowmajor, lda, ldb, ldc, Ks):
     return ints, p_int, p_int + 40, rsize, p_int + 64
 
 
+# -- the in-loop proof of the index data -----------------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=False)
+def index_mismatches(plan, g0, g1, live_addr, at, wide):
+    """How many of ``plan[g0:g1]`` differ from the live index entries ``at + g0 .. at + g1`` at
+    ``live_addr`` (int64, or int32 unless ``wide``). The live values are compared, never used: a
+    concurrent write can change a count, never an access."""
+    n = 0
+    if wide:
+        live = int64_pointer(live_addr)
+        for g in range(g0, g1):
+            n += plan[g] != live[at + g]
+    else:
+        live32 = int32_pointer(live_addr)
+        for g in range(g0, g1):
+            n += plan[g] != live32[at + g]
+    return n
+
+
 # -- the work split ---------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from bsrkit.backends.cpu.compiled.constants import DOT_PAIRS, KIND_F64
-from bsrkit.backends.cpu.compiled.intrinsics import int32_pointer, int64_pointer, task_bound, typed_pointer
+from bsrkit.backends.cpu.compiled.intrinsics import index_mismatches, task_bound, typed_pointer
 from bsrkit.backends.cpu.compiled.support import (
     Address,
     Bool,
@@ -332,23 +332,6 @@ def _axpy_row(A, a0, a_gs, a_rs, a_cs, X, x0, x_ld, cols, g0, g1, C, c0, c_rs, c
 
 
 @numba.njit(nogil=True, cache=False)
-def _mismatches(plan, g0, g1, live_addr, at, wide):
-    """How many of ``plan[g0:g1]`` differ from the live index entries ``at + g0 .. at + g1`` at
-    ``live_addr`` (int64, or int32 unless ``wide``). The live values are compared, never used: a
-    concurrent write can change a count, never an access."""
-    n = 0
-    if wide:
-        live = int64_pointer(live_addr)
-        for g in range(g0, g1):
-            n += plan[g] != live[at + g]
-    else:
-        live32 = int32_pointer(live_addr)
-        for g in range(g0, g1):
-            n += plan[g] != live32[at + g]
-    return n
-
-
-@numba.njit(nogil=True, cache=False)
 def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows,
                a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
                c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite,
@@ -371,8 +354,8 @@ def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows
         g1 = crow[bb, i + 1]
         if check:  # the task's entries: crow[i + 1] (and crow[0] at row 0), col[g0:g1]
             r0 = 0 if i == 0 else i + 1
-            differ += _mismatches(crow[bb], r0, i + 2, crow_live, bb * (rows + 1), live_wide)
-            differ += _mismatches(col[bb], g0, g1, col_live, bb * ncol, live_wide)
+            differ += index_mismatches(crow[bb], r0, i + 2, crow_live, bb * (rows + 1), live_wide)
+            differ += index_mismatches(col[bb], g0, g1, col_live, bb * ncol, live_wide)
         c0 = c_boff[b] + i * Ms * c_rs
         if g0 == g1:
             if overwrite:
