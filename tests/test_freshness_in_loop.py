@@ -300,3 +300,51 @@ def test_writes_racing_the_products_never_break_them(threads):
         t.join()
     _check(b, x)
     assert _check(b, x) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("how", ["a new out layout", "int8", "inf alpha"])
+def test_a_kept_operand_without_a_proving_call_is_proven_in_python(threads, monkeypatch, how):
+    """A deferred proof whose product finds no prepared call that proves (a miss: another layout of out;
+    the int8 and scaled paths, which recurse) makes the whole Python proof before anything else."""
+    from bsrkit import ops
+
+    proved: list[bool] = []
+    real = dispatch._prove
+
+    def spy(a: object) -> None:
+        try:
+            real(a)  # type: ignore[arg-type]
+        except Exception:
+            proved.append(False)
+            raise
+        proved.append(True)
+
+    monkeypatch.setattr(dispatch, "_prove", spy)
+    b = _bsr()
+    x = torch.randn(SIZE, 2)
+    if how == "int8":
+        b = torch.sparse_bsr_tensor(
+            b.crow_indices(), b.col_indices(), b.values().mul(4).to(torch.int8), size=(SIZE, SIZE)
+        )
+        x = torch.randint(-8, 8, (SIZE, 2), dtype=torch.int8)
+
+    def product(out: torch.Tensor | None = None) -> None:
+        if how == "inf alpha":  # (no public product has it without input=: the entry they share)
+            inf = float("inf")
+            got = ops.checked_addmm("bsr_dense_mm", None, b, x, beta=0.0, alpha=inf, out=None, meta=None)
+            want = reference.bsr_dense_addmm(torch.zeros(SIZE, 2), b, x, beta=0, alpha=inf)
+            torch.testing.assert_close(got, want, equal_nan=True)
+        elif how == "int8":
+            assert torch.equal(bsrkit.bsr_dense_mm(b, x), b.to_dense().int() @ x.int())
+        else:
+            got = bsrkit.bsr_dense_mm(b, x, out=out)
+            assert_close(got, reference.bsr_dense_mm(b, x), k=SIZE)
+
+    for _ in range(2):
+        product()
+    assert proved == ([] if how == "a new out layout" else [True])  # (the second product's)
+    b.col_indices().numpy()[3] = 4
+    stale = bsrkit.shortcut_info().loop_stale
+    product(torch.empty(2, SIZE).mT if how == "a new out layout" else None)
+    assert proved[-1] is False and bsrkit.shortcut_info().loop_stale == stale
+    product()
