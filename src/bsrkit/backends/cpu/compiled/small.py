@@ -437,7 +437,7 @@ class BsrMMSmallArgs(NamedTuple):
     Wp: Int
     alpha: Float
     overwrite: Bool
-    # The in-loop proof (a prepared call's, see bsrkit.backends.cpu.backend): with proof[0] != 0, every
+    # The in-loop proof (a prepared call's, see bsrkit.backends.cpu.running): with proof[0] != 0, every
     # task also compares the plan entries it reads (crow[i + 1], crow[0] at row 0, col[crow[i]:crow[i + 1]];
     # together every entry of every batch) with the live index memory at crow_live and col_live
     # (C-contiguous, int64 or, unless live_wide, int32; addressed from the plan's own indices only). The
