@@ -78,7 +78,7 @@ def test_half_kind_on_a_provider_without_half_gemm_is_refused(monkeypatch):
     from bsrkit.backends.cpu.compiled.gemm import BsrMMArgs
 
     run = kernels._bind("bsr_mm_kernel", _jit.bsr_mm, _jit.bsr_mm_serial, BsrMMArgs, provider)
-    args = [kernels.KIND_BF16] + [0] * 30
+    args = [kernels.KIND_BF16] + [0] * (len(BsrMMArgs._fields) - len(BsrMMArgs._field_defaults) - 1)
     with pytest.raises(ValueError, match=r"expected a kind in \['float32', 'float64'\].*got bfloat16"):
         run(BsrMMArgs(*args))
     with pytest.raises(TypeError, match="expected a BsrMMArgs, got tuple"):

@@ -180,8 +180,8 @@ def test_packed_entry_checks_what_it_packs():
     entry = entries.bsr_mm_small_serial
     made = {"1": np.zeros(1, np.int64), "2": np.zeros((1, 2), np.int64), "F": np.zeros((1, 2))}
     args = [made.get(kind, 1) for kind in entry.kinds]
-    assert entry.pack(args).shape == (25 * entries.SLOTS,)
-    with pytest.raises(TypeError, match="expected 25 arguments"):
+    assert entry.pack(args).shape == (29 * entries.SLOTS,)
+    with pytest.raises(TypeError, match="expected 29 arguments"):
         entry.pack(args[:-1])
     strided, single = np.zeros((2, 2), np.int64)[:, :1], np.zeros((1, 2), np.float32)
     for i, bad in ((1, strided), (3, single), (4, np.zeros(1)), (7, 5)):

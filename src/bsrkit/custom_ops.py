@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bsrkit import dispatch, ops, shortcuts
+from bsrkit.freshness import check_mode
 from bsrkit.operand import Operand
 from bsrkit.validation import check_operand_dtypes, check_same_device
 
@@ -49,8 +50,16 @@ def linear_product(
     checked = checked_calls.get(signature)
     a, done = None, False
     if checked is not None and not transposed and y.numel():
-        a = Operand.of(weight, _OP)
-        done = dispatch.rerun_prepared(a, checked, dense, out)
+        # A kept operand with the cheap half of its proof; the rerun's loop (or rerun_prepared) proves the
+        # rest before anything derived from the index data is used (see bsrkit.shortcuts).
+        unproven = check_mode()[0]
+        a = shortcuts.kept_operand(weight, compare=unproven)
+        if a is not None:
+            try:
+                done = dispatch.rerun_prepared(a, checked, dense, out, unproven)
+            except shortcuts.StalePattern:  # (changed index data: rebuilt and revalidated below)
+                shortcuts.forget_operand(weight, a)
+                a = None
     if not done:
         ops.checked_addmm(
             _OP, None, weight, dense, beta=0.0, alpha=1.0, out=out, meta=None, transpose=transposed,

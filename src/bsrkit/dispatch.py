@@ -92,6 +92,7 @@ def addmm(
     left: torch.Tensor | None = None,
     right: torch.Tensor | None = None,
     checked: shortcuts.CheckedCall | None = None,
+    unproven: bool = False,
 ) -> torch.Tensor:
     """``out = beta * input + left * (alpha * a @ dense) * right`` (``input`` None: ``beta`` is ignored;
     ``left`` ``(*batch, M)`` scales rows, ``right`` ``(*batch, N)`` columns; None: ones) and return it.
@@ -104,10 +105,19 @@ def addmm(
     ``a`` is None when the product contributes nothing (no stored block, ``K == 0`` or ``alpha == 0``).
     With ``beta == 0`` ``input`` is not read (NaN in it does not propagate), as in ``torch.addmm``.
     int8 ``a`` and ``dense`` with an int32 ``out``: the exact integer product (:func:`int8_compute_dtype`).
+
+    ``unproven``: ``a`` is a kept operand whose index data were not compared yet (a deferred proof, see
+    :mod:`bsrkit.shortcuts`). Nothing derived from them is used before they are: by the loop of a prepared
+    call that compares them itself (``rerun.proves``), else by the whole proof here; either raises
+    :class:`~bsrkit.shortcuts.StalePattern` when they changed (the caller recomputes: only a product that
+    overwrites ``out`` may take the prepared call, so a discarded ``out`` is simply written again).
     """
+    scaled = left is not None or right is not None or not math.isfinite(alpha)
+    if unproven and (scaled or dense.dtype is torch.int8):
+        _prove(a)  # (these paths recurse, on no prepared call of a kept operand)
     if dense.dtype is torch.int8:
         return _int8_addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
-    if left is not None or right is not None or not math.isfinite(alpha):
+    if scaled:
         # Form the product, then scale it: inf * 0 is NaN wherever the product is 0 (empty rows
         # included), as the formula says (a gemm may scale an operand instead).
         product = torch.empty(out.shape, dtype=out.dtype, device=out.device)
@@ -135,8 +145,18 @@ def addmm(
         key: tuple[Any, ...] = _fast_key(checked, dense, out)
         rerun = shortcuts.prepared_call(a, key, checked, tuning.resolve_state())
         if rerun is not None:
+            if unproven:
+                # Nothing before this call trusted the index data. Its loop addresses memory through its
+                # own (validated) plan only, so a changed pattern steers no access; its verdict covers
+                # every entry of the plan (see compiled.small.BsrMMSmallArgs).
+                if rerun.proves:
+                    shortcuts.proven_in_loop(rerun(values, dense, out, True))
+                    return out
+                _prove(a)
             rerun(values, dense, out)
             return out
+    if unproven:
+        _prove(a)  # (before the pattern's plans are read)
     Ms, Ks = values.shape[-2:]
     name = tuning.TABLE_NAMES["addmm", "transposed" if a.transposed_block_cols else ""]
     shape = (a.M, a.K, dense.shape[-1])
@@ -170,18 +190,30 @@ def _fast_key(checked: Any, dense: torch.Tensor, out: torch.Tensor) -> tuple[Any
 
 
 def rerun_prepared(
-    a: Operand, checked: shortcuts.CheckedCall, dense: torch.Tensor, out: torch.Tensor
+    a: Operand, checked: shortcuts.CheckedCall, dense: torch.Tensor, out: torch.Tensor, unproven: bool
 ) -> bool:
     """``out = a @ dense`` by the call prepared for an earlier product like it (a kept operand ``a``, the
     same ``checked`` call, no ``meta``, ``beta == 0``, ``alpha == 1``: see :func:`addmm`); False, computing
-    nothing, when there is none."""
-    if a.calls is None:
-        return False
-    rerun = shortcuts.prepared_call(a, _fast_key(checked, dense, out), checked, tuning.resolve_state())
+    nothing, when there is none. ``unproven`` as in :func:`addmm`: ``a`` is proven here (by the loop, or
+    whole) either way, and :class:`~bsrkit.shortcuts.StalePattern` raised when it changed."""
+    rerun = None
+    if a.calls is not None:
+        rerun = shortcuts.prepared_call(a, _fast_key(checked, dense, out), checked, tuning.resolve_state())
+    if rerun is not None and unproven and rerun.proves:
+        shortcuts.proven_in_loop(rerun(a.values, dense, out, True))
+        return True
+    if unproven:
+        _prove(a)
     if rerun is None:
         return False
     rerun(a.values, dense, out)
     return True
+
+
+def _prove(a: Operand | None) -> None:
+    """The whole proof of an unproven operand's index data (see :func:`addmm`)."""
+    if a is not None and a.pattern is not None and not a.pattern.proof.unchanged():
+        raise shortcuts.StalePattern
 
 
 def _scale_product(

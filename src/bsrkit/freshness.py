@@ -18,7 +18,9 @@ between the elements (another column of a matrix) is a needless rebuild, never a
 **Cost.** Per tensor a copy at snapshot time and, per hit, a check that the storage is alive, unmoved and
 large enough, then a byte comparison: about 0.55 µs for a small pattern's ``crow`` and ``col`` together,
 about 1 µs at 13 KiB (measured in ``docs/performance.md``), then memory-bound (the memory and the copy are
-both read).
+both read). A CPU product with few columns on a kept operand pays only the storage check here
+(:meth:`Snapshot.intact`): its compiled loop compares the bytes while it runs (the deferred proof of
+:mod:`bsrkit.shortcuts`), reading only the live index entries beside the copies it reads anyway.
 
 **Per device** (``$BSRKIT_CHECK_PLANS``, read on every check):
 
@@ -228,4 +230,21 @@ class Snapshot:
             for d in self._device:
                 if not d.unchanged():
                     return False
+        return True
+
+    def intact(self) -> bool:
+        """The first half of :meth:`unchanged`, without reading any data: every host storage alive,
+        unmoved and still large enough, so that its copied bytes may be read at the addresses they were
+        copied from; no opaque tensor and no device memory (which only :meth:`unchanged` can prove).
+
+        For a compiled loop that compares the memory itself while it runs (a CPU prepared call: see
+        :mod:`bsrkit.shortcuts`): its caller asks this first, then trusts the derived value only if the
+        loop compared every byte of the snapshot and found it unchanged. Ignores
+        ``$BSRKIT_CHECK_PLANS`` (the caller reads it)."""
+        if self._opaque or self._device:
+            return False
+        for ref, base, end, _, _ in self._host:
+            s = ref()
+            if s is None or s.data_ptr() != base or s.nbytes() < end:
+                return False
         return True

@@ -15,6 +15,7 @@ import torch
 from bsrkit import autograd, dispatch, shortcuts
 from bsrkit.dispatch import select_backend
 from bsrkit.eager import eager_under_compile
+from bsrkit.freshness import check_mode
 from bsrkit.operand import Operand
 from bsrkit.validation import (
     SUPPORTED_DTYPES,
@@ -194,10 +195,20 @@ def checked_addmm(
     beta, alpha = float(beta), float(alpha)  # (checked real numbers; -0.0 and 0.0 share a checked call)
     # The sparse operand, or None when nothing is stored (no plan is fetched for an empty product).
     a = None
+    unproven = False  # a kept operand whose index data dispatch.addmm proves (a deferred proof)
     if out_numel:
-        a = operand or Operand.of(bsr, op)  # validates the pattern (once per pattern)
+        if operand is not None:
+            a = operand  # (proven by the caller)
+        elif signature is not None and not (transpose or differentiable):  # (may rerun a prepared call)
+            unproven = check_mode()[0]  # (host memory is compared: later, by dispatch.addmm)
+            a = shortcuts.kept_operand(bsr, compare=unproven)
+            unproven = unproven and a is not None
+        if a is None:
+            a = Operand.of(bsr, op)  # validates the pattern (once per pattern)
         if not (K and a.nnz and alpha):
-            a = None
+            if unproven and a.pattern is not None and not a.pattern.proof.unchanged():
+                Operand.of(bsr, op)  # (a changed pattern is judged all the same: a malformed one raises)
+            a, unproven = None, False
         elif transpose:
             a = a.transposed()
     if differentiable:
@@ -224,7 +235,24 @@ def checked_addmm(
     ):
         # The kernels read dense while writing out: shared memory would give a silently wrong result.
         raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
-    return dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked)
+    if not unproven:
+        return dispatch.addmm(
+            op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked
+        )
+    assert a is not None
+    try:
+        return dispatch.addmm(
+            op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked, True
+        )
+    except shortcuts.StalePattern:
+        # The kept operand's index data changed since it was judged: drop it and what hangs on its
+        # pattern, rebuild it (revalidating the pattern: a malformed one raises ValueError here) and
+        # compute again. (Only products that overwrite out take the deferred proof: out is written anew.)
+        shortcuts.forget_operand(bsr, a)
+        a = Operand.of(bsr, op)
+        return dispatch.addmm(
+            op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked
+        )
 
 
 def checked_call(

@@ -112,6 +112,12 @@ class Pattern:
         self.calls: dict[tuple[Any, ...], Any] = {}
         self.proof = proof
 
+    def forget(self) -> None:
+        """Drop the plans and prepared calls hung on it (a deferred proof found its index data changed:
+        see :mod:`bsrkit.shortcuts`); they are fetched again through the plan cache."""
+        self.plans.clear()
+        self.calls.clear()
+
 
 def check_pattern(source: Source, block_rows: int, block_cols: int, nnz: int) -> Pattern:
     """Raise ``ValueError`` naming the defect unless ``source``'s indices are a valid BSR pattern of

@@ -30,6 +30,13 @@ what it was when the entry was made:
   version counter, so the snapshot is of its members), and every other way to an operand goes through the
   plan cache, whose hits compare the same proof. Prepared calls hang on the ``Pattern`` that proof
   belongs to: a changed pattern gets a new ``Pattern`` and so no old prepared call;
+- the one deferred proof: a product that can rerun a prepared call whose loop compares the index data
+  itself (``rerun.proves``: the CPU loops of bsr @ dense) takes the kept operand with only the cheap half
+  of the proof (:meth:`~bsrkit.freshness.Snapshot.intact`: storages alive, unmoved, large enough), and
+  trusts nothing derived from the index data until that loop's verdict (or, on any other way, the full
+  proof in :func:`bsrkit.dispatch.addmm`); a loop that finds a difference raises :class:`StalePattern`,
+  and the product is recomputed on the rebuilt pattern (:func:`forget_operand`, see
+  :func:`bsrkit.ops.checked_addmm`);
 - tuning state, by identity of the table and warnings that chose the parameters;
 - a kept weight, by identity of the three part objects and equality of their data addresses, shapes,
   strides, dtypes and devices (what ``.data =``, ``set_`` or ``resize_`` would change); their contents are
@@ -65,9 +72,11 @@ __all__ = [
     "CHECKED_CALLS_MAX",
     "CheckedCall",
     "ShortcutInfo",
+    "StalePattern",
     "cache_clear",
     "checked_call",
     "clear",
+    "forget_operand",
     "info",
     "keep_checked_call",
     "keep_operand",
@@ -76,6 +85,7 @@ __all__ = [
     "kept_operand",
     "kept_weight",
     "prepared_call",
+    "proven_in_loop",
 ]
 
 CHECKED_CALLS_MAX = 1024
@@ -107,12 +117,19 @@ class ShortcutInfo(NamedTuple):
     kept_operands: int  # wrappers held
     call_hits: int
     call_misses: int  # products that prepared (and returned) a call to keep
+    loop_proofs: int  # prepared calls whose loop compared the kept operand's index data (a deferred proof)
+    loop_stale: int  # ... and found it changed: recomputed on the rebuilt pattern
     weight_hits: int
     kept_weights: int  # weights (values tensors) held
 
 
-# checked_hits, checked_misses, operand_hits, call_hits, call_misses, weight_hits
-_counts = [0, 0, 0, 0, 0, 0]
+class StalePattern(Exception):
+    """A kept operand's index data changed since its pattern was judged, found by a deferred proof (see
+    the module's docstring): nothing derived from it may be used; the product is computed again."""
+
+
+# checked_hits, checked_misses, operand_hits, call_hits, call_misses, loop_proofs, loop_stale, weight_hits
+_counts = [0, 0, 0, 0, 0, 0, 0, 0]
 
 _checked: dict[tuple[Any, ...], CheckedCall] = {}
 
@@ -147,14 +164,23 @@ def keep_checked_call(signature: tuple[Any, ...], checked: CheckedCall) -> None:
 _operands: dict[int, tuple[Any, ...]] = {}
 
 
-def kept_operand(bsr: torch.Tensor) -> Operand | None:
+def kept_operand(bsr: torch.Tensor, compare: bool | None = None) -> Operand | None:
     """The operand kept for this very ``bsr`` (:func:`keep_operand`), or None when it may have changed
-    since. A hit counts as a hit of the plan cache too (it stands for one)."""
+    since. A hit counts as a hit of the plan cache too (it stands for one).
+
+    ``compare``: None, the whole proof (:meth:`~bsrkit.freshness.Snapshot.unchanged`, under
+    ``$BSRKIT_CHECK_PLANS``); True, its cheap half only (``intact``: None where that cannot stand for it,
+    a snapshot of device memory), the caller comparing the index data before it trusts anything derived
+    from it (a deferred proof: see the module's docstring); False, nothing (the caller read
+    ``$BSRKIT_CHECK_PLANS=0``)."""
     seen = _operands.get(id(bsr))
     if seen is None or seen[0]() is not bsr or seen[1] != bsr._cdata or seen[2] != bsr._version:
         return None
-    if not seen[4].unchanged():
-        return None  # its pattern was written since: the caller rebuilds (and revalidates) it
+    if compare is None:
+        if not seen[4].unchanged():
+            return None  # its pattern was written since: the caller rebuilds (and revalidates) it
+    elif compare and not seen[4].intact():
+        return None
     _counts[2] += 1
     plans.count_hit()
     return seen[3]
@@ -170,6 +196,26 @@ def keep_operand(bsr: torch.Tensor, version: int, operand: Operand) -> None:
     forget = functools.partial(_operands.pop, id(bsr))  # called as pop(id, ref)
     proof = operand.pattern.proof  # (of the memory of bsr's members: the pattern's key names it)
     _operands[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand, proof)
+
+
+def forget_operand(bsr: torch.Tensor, a: Operand) -> None:
+    """Drop what a deferred proof found stale (:class:`StalePattern`): ``bsr``'s kept operand ``a`` and
+    what hangs on its pattern (plans and prepared calls). The next product rebuilds them through the plan
+    cache, which compares the index data again (and revalidates a changed pattern)."""
+    seen = _operands.get(id(bsr))
+    if seen is not None and seen[3] is a:
+        _operands.pop(id(bsr), None)
+    if a.pattern is not None:
+        a.pattern.forget()
+
+
+def proven_in_loop(differ: int) -> None:
+    """Count a deferred proof made by a prepared call's loop (``differ``: the entries it found changed);
+    raise :class:`StalePattern` if any."""
+    if differ:
+        _counts[6] += 1
+        raise StalePattern
+    _counts[5] += 1
 
 
 # -- kept weights -----------------------------------------------------------------------------------------
@@ -206,7 +252,7 @@ def kept_weight(
         and seen[3] == layouts
         and seen[4].shape == size
     ):
-        _counts[5] += 1
+        _counts[7] += 1
         return seen[4], seen[5]
     bsr = torch.sparse_bsr_tensor(crow, col, values.detach(), size=size, check_invariants=False)
     calls: dict[Any, CheckedCall] = {}
@@ -270,10 +316,19 @@ def _table(a: Operand, checked: CheckedCall | None) -> dict[Any, Any] | None:
 
 def info() -> ShortcutInfo:
     """Hits, misses and sizes of the shortcut tables."""
-    checked_hits, checked_misses, operand_hits, call_hits, call_misses, weight_hits = _counts
+    (
+        checked_hits,
+        checked_misses,
+        operand_hits,
+        call_hits,
+        call_misses,
+        loop_proofs,
+        loop_stale,
+        weight_hits,
+    ) = _counts
     return ShortcutInfo(
         checked_hits, checked_misses, len(_checked), operand_hits, len(_operands), call_hits, call_misses,
-        weight_hits, len(_weights),
+        loop_proofs, loop_stale, weight_hits, len(_weights),
     )  # fmt: skip
 
 

@@ -106,12 +106,18 @@ class Backend(Protocol):
         alpha: float,
         overwrite: bool,
         params: dict[str, Any],
-    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    ) -> Callable[..., Any] | None:
         """``out = alpha * a @ dense`` (``overwrite``) or ``out += alpha * a @ dense``, for every batch
         index. Called only with ``nnz > 0``, ``K > 0`` and a non-empty ``out``. May return a prepared
         call ``rerun(values, dense, out)`` that repeats this product for operands of the same layouts
         (shapes, strides, offsets, dtypes) at other data addresses, with the same ``a`` indices,
-        ``batch``, ``alpha``, ``overwrite`` and ``params`` (see :func:`bsrkit.dispatch.addmm`)."""
+        ``batch``, ``alpha``, ``overwrite`` and ``params`` (see :func:`bsrkit.dispatch.addmm`).
+
+        A prepared call has a bool attribute ``proves``. When True, ``rerun(values, dense, out, True)``
+        also compares, inside the work it does anyway, every index entry of ``a`` (every byte that
+        ``a.pattern.proof`` covers) with the plan it runs on, addressing memory through that plan only,
+        and returns how many differ (0: proven unchanged; else ``out`` is to be recomputed). Its caller
+        checks first that the proof's storages are intact (:meth:`bsrkit.freshness.Snapshot.intact`)."""
         ...
 
     def sampled(

@@ -2,8 +2,8 @@
 
 Every operand reaches a kernel as (address of its storage, per-batch element offsets, strides) with a
 layout BLAS can read (unit stride along one dimension), copying only when it has none. float16/bfloat16
-accumulate in a float32 buffer. Kernel calls are serialised (see ``_KERNEL_LOCK``) and run on
-``params["nthreads"]`` numba threads.
+accumulate in a float32 buffer. Kernel calls are serialised and run on ``params["nthreads"]`` numba threads
+(:mod:`.running`, which also makes the prepared calls returned here).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import functools
 import math
 import os
 import platform
-import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,11 +21,11 @@ import torch
 import bsrkit.backends.cpu.attention_kernels as attention_kernels
 import bsrkit.backends.cpu.kernels as kernels
 import bsrkit.backends.cpu.planning as planning
+import bsrkit.backends.cpu.running as running
 import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit.backends.base import ParamSpec, int_at_least_one
 from bsrkit.backends.batching import block_coordinates, bsr_batch_of
 from bsrkit.backends.torch_ops import TorchBackend
-from bsrkit.loading import import_module
 
 if TYPE_CHECKING:
     from bsrkit.backends.cpu.compiled.gemm import BsrMMArgs
@@ -37,6 +36,9 @@ if TYPE_CHECKING:
     from bsrkit.operand import Operand
 
 __all__ = ["CpuBackend", "cpu_device_name"]
+
+_run = running.run
+Rerun = running.Rerun
 
 _KINDS = {
     torch.float32: kernels.KIND_F32,
@@ -58,90 +60,6 @@ _SERIAL_WORK = 2**21
 # a gemm per block: measured in docs/performance.md (benchmarks/decode.py). ``meta={"small_n": bool}``
 # forces either path (float32/float64; half types always take the gemm path).
 _SMALL_N_MAX = 16
-
-# numba's default (workqueue) threading layer must not be entered from two threads at once; the kernel
-# already uses every worker thread, so serialising calls costs little.
-_KERNEL_LOCK = threading.Lock()
-
-# A prepared call: ``rerun(values, dense, out)`` runs a product with the layouts it was prepared for.
-Rerun = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-def _prepared(
-    kernel: Any, full_args: Any, values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor
-) -> Rerun:
-    """The prepared call of the marshaled record ``full_args``: it patches in the data addresses (each
-    relative to its operand's data: the operands were passed uncopied, so their storages are the ones
-    addressed). A serial call holds the packed block of its C entry (see
-    ``compiled.entries.PackedEntry``), which addresses the arrays of ``full_args``: the call holds both.
-    The caller keeps it (:mod:`bsrkit.shortcuts`); the backend does not."""
-    a_addr, b_addr, c_addr = kernels.data_addresses(full_args)
-    values_at = values.data_ptr() - a_addr
-    dense_at = dense.data_ptr() - b_addr
-    out_offset = out.data_ptr() - c_addr
-    rerun: Rerun
-    if full_args.nthreads == 1:
-        block = kernel.serial.pack(full_args)
-        c_call, address = kernel.serial.c_call, block.ctypes.data
-
-        def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor) -> None:
-            a_addr, b_addr = values.data_ptr() - values_at, dense.data_ptr() - dense_at
-            c_addr = out.data_ptr() - out_offset
-            with _KERNEL_LOCK:
-                c_call(address, a_addr, b_addr, c_addr)
-
-        rerun.keep = (block, full_args)  # type: ignore[attr-defined]  # (what the block addresses)
-
-    else:
-        patch, run_prepared, nthreads = (
-            kernels.data_patcher(full_args),
-            kernel.run_prepared,
-            full_args.nthreads,
-        )
-
-        def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor) -> None:
-            args = patch(
-                values.data_ptr() - values_at, dense.data_ptr() - dense_at, out.data_ptr() - out_offset
-            )
-            _run(run_prepared, nthreads, args)
-
-    return rerun
-
-
-_numba_threads = threading.local()  # numba's thread count is per calling thread: remember what we set
-
-
-def _set_numba_threads(n: int) -> None:
-    if getattr(_numba_threads, "n", None) != n:
-        numba = import_module("numba")
-        _launch_numba_threads()
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-        _numba_threads.n = n
-
-
-@functools.cache
-def _launch_numba_threads() -> None:
-    """Start numba's worker pool, keeping torch's thread count.
-
-    numba's OpenMP layer starts its pool with ``omp_set_num_threads(NUMBA_NUM_THREADS)``, and torch's CPU
-    wheels load the same ``libgomp.so.1``: the process-wide count torch reads (``torch.get_num_threads()``)
-    and uses for its own ops would silently become numba's (measured: 1 -> 2 after the first product). The
-    pool is started here, once, and torch's count put back.
-    """
-    parallel = import_module("numba.np.ufunc.parallel")  # (the first product's: see bsrkit.loading)
-    threads = torch.get_num_threads()
-    parallel._launch_threads()
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
-def _run(kernel: Any, nthreads: int, *args: Any) -> None:
-    """Call a compiled loop on ``nthreads`` numba threads, one call at a time (see ``_KERNEL_LOCK``)."""
-    with _KERNEL_LOCK:
-        _set_numba_threads(nthreads)
-        if hasattr(kernel, "overloads"):  # a numba dispatcher (its kind: the dtypes of its arrays)
-            kernels.ensure_compiled(kernel, args, tuple(a.dtype.char for a in args if hasattr(a, "dtype")))
-        kernel(*args)
 
 
 def _batch_offsets(t: torch.Tensor, t_batch_ndim: int, batch: torch.Size) -> np.ndarray:
@@ -271,7 +189,8 @@ def _addmm_small(
     nthreads: int,
 ) -> Rerun | None:
     """``addmm`` on the vector loops for few columns (see :func:`kernels.bsr_mm_small_kernel`): dense is
-    copied (zero-padded) into the layout they read unless it has it already; blocks and out never are."""
+    copied (zero-padded) into the layout they read unless it has it already, into a buffer that the
+    prepared call keeps and fills on each rerun; blocks and out are never copied."""
     values = a.values
     kernel = kernels.bsr_mm_small_kernel()
     plan = planning.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
@@ -281,9 +200,10 @@ def _addmm_small(
     lanes = 8 if out.dtype == torch.float32 else 4
     # Dot products along k for one column (or up to four, when that is under a vector's width).
     along_k = (N == 1 or lanes // 2 >= N) and Ks % lanes == 0 and (values.stride(-1) == 1 or Ks == 1)
+    fill = None  # (dense into x, when x is a copy: see running.prepared)
     if along_k and N == 2 and dense.stride(-1) == 1 and dense.stride(-2) == 2:
-        # Row-major (.., K, 2): the two-column loop reads it as it is (no copy, so the marshaled arguments
-        # are kept), splitting each load into its two columns.
+        # Row-major (.., K, 2): the two-column loop reads it as it is (no copy), splitting each load into
+        # its two columns.
         dot, width, x, x_ld = kernels.DOT_PAIRS, 2, dense, 2
     elif along_k:
         dot = kernels.DOT_COLUMNS
@@ -291,7 +211,7 @@ def _addmm_small(
         x = dense.mT  # (.., Wp, K) rows contiguous along k
         if not (width == N and (x.stride(-1) == 1 or K == 1)):
             x = dense.new_zeros((*dense.shape[:-2], width, K))
-            x[..., :N, :].copy_(dense.mT)
+            fill = _filler(x[..., :N, :], transposed=True)
         x_ld = x.stride(-2) if width > 1 else K
     else:
         dot = kernels.DOT_NONE
@@ -299,10 +219,11 @@ def _addmm_small(
         x = dense  # (.., K, Wp) rows contiguous along the columns
         if not (width == N and x.stride(-1) == 1):
             x = dense.new_zeros((*dense.shape[:-2], K, width))
-            x[..., :N].copy_(dense)
+            fill = _filler(x[..., :N], transposed=False)
         x_ld = x.stride(-2)
     if math.prod(batch) * a.nnz * Ms * Ks * max(N, 4) < _SERIAL_WORK:
         nthreads = 1
+    crow_live, col_live, live_wide = running.live_indices(a, plan.crow, plan.col)
     Args: type[BsrMMSmallArgs] = kernel.Args
     args = Args(
         kind=_KINDS[out.dtype], crow=plan.crow, col=plan.col, cum=plan.cost,
@@ -313,14 +234,21 @@ def _addmm_small(
         c_addr=_base_address(out), c_boff=_batch_offsets(out, out.ndim - 2, batch),
         c_rs=out.stride(-2), c_cs=out.stride(-1),
         Ms=Ms, Ks=Ks, N=N, Wp=width, alpha=alpha, overwrite=overwrite,
+        proof=np.zeros(2, np.int64), crow_live=crow_live, col_live=col_live, live_wide=live_wide,
     )  # fmt: skip
     full_args = kernel.prepare(args)
-    if x.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr():  # (dense was not copied)
-        rerun = _prepared(kernel, full_args, values, dense, out)
-        rerun(values, dense, out)
-        return rerun
-    _run(kernel.run_prepared, nthreads, full_args)
-    return None
+    rerun = running.prepared(kernel, full_args, values, dense, out, fill)
+    rerun(values, dense, out)
+    return rerun
+
+
+def _filler(xs: torch.Tensor, transposed: bool) -> Callable[[torch.Tensor], None]:
+    """``fill(dense)``: dense (transposed: ``dense.mT``) copied into ``xs``, the columns of a kept X."""
+
+    def fill(dense: torch.Tensor) -> None:
+        xs.copy_(dense.mT if transposed else dense)
+
+    return fill
 
 
 class CpuBackend:
@@ -400,6 +328,7 @@ class CpuBackend:
         nthreads = params["nthreads"]
         if math.prod(batch) * a.nnz * Ms * Ks * N < _SERIAL_WORK:
             nthreads = 1
+        crow_live, col_live, live_wide = running.live_indices(a, plan.crow, plan.col)
         Args: type[BsrMMArgs] = kernel.Args
         args = Args(
             kind=_KINDS[out.dtype], crow=plan.crow, col=plan.col, cum=plan.cost,
@@ -412,10 +341,11 @@ class CpuBackend:
             c_rs=target.stride(-2), c_cs=target.stride(-1), c_rowmajor=c_rowmajor, ldc=ldc,
             Ms=Ms, Ks=Ks, N=N, panel=params["panel"], alpha=alpha, overwrite=overwrite,
             isz_ab=values.element_size(), isz_c=target.element_size(),
+            proof=np.zeros(2, np.int64), crow_live=crow_live, col_live=col_live, live_wide=live_wide,
         )  # fmt: skip
         full_args = kernel.prepare(args)
         if values is a.values and dense is original_dense and target is out:  # (no copies were needed)
-            rerun = _prepared(kernel, full_args, values, dense, out)
+            rerun = running.prepared(kernel, full_args, values, dense, out)
             rerun(values, dense, out)
             return rerun
         _run(kernel.run_prepared, nthreads, full_args)

@@ -21,6 +21,7 @@ from bsrkit.backends.cpu.compiled.intrinsics import (
     call_cblas_gemm_half,
     call_fortran_gemm,
     gemm_scalars,
+    index_mismatches,
     set_threads_local,
     task_bound,
 )
@@ -46,15 +47,20 @@ def bsr_mm(
     b_addr, b_boff, b_rowmajor, b_rs, b_cs, ldb,
     c_addr, c_boff, c_rs, c_cs, c_rowmajor, ldc,
     Ms, Ks, N, panel, alpha, overwrite, isz_ab, isz_c,
+    proof, crow_live, col_live, live_wide,
     sgemm, dgemm, gemm_bf16, gemm_f16, set_threads,
 ):  # fmt: skip
     """See :class:`BsrMMArgs` and :mod:`bsrkit.backends.cpu.kernels`."""
+    proof[1] = 0
     nbatch = bsr_of.shape[0]
     rows = crow.shape[1] - 1
     npanels = (N + panel - 1) // panel
     ntasks = npanels * rows  # per batch
     if ntasks == 0:
         return
+    check = proof[0] != 0
+    ncol = col.shape[1]
+    differ = 0
     bstart = np.empty(nbatch + 1, np.float64)  # cost before each batch's first task
     bstart[0] = 0.0
     for b in range(nbatch):
@@ -70,6 +76,7 @@ def bsr_mm(
         tb = CBLAS_NO_TRANS if b_rowmajor else CBLAS_TRANS
         b, i = task_bound(t, nthreads, bstart, cum, bsr_of, rows, ntasks)
         b_end, i_end = task_bound(t + 1, nthreads, bstart, cum, bsr_of, rows, ntasks)
+        n = 0  # this worker's differing index entries (the in-loop proof)
         while b < b_end or (b == b_end and i < i_end):
             bb = bsr_of[b]
             j0 = (i // rows) * panel
@@ -83,6 +90,11 @@ def bsr_mm(
                 ints[1] = ns
             g0 = crow[bb, r]
             g1 = crow[bb, r + 1]
+            if check and j0 == 0:  # (in the first panel: as in compiled.small, each entry once per batch)
+                n += index_mismatches(
+                    crow[bb], 0 if r == 0 else r + 1, r + 2, crow_live, bb * (rows + 1), live_wide
+                )
+                n += index_mismatches(col[bb], g0, g1, col_live, bb * ncol, live_wide)
             c_ptr = c_addr + (c_boff[b] + r * Ms * c_rs + j0 * c_cs) * isz_c
             if g0 == g1 and overwrite:  # an empty block row: gemm with k = 0, beta = 0 writes 0
                 call_fortran_gemm(gemm if kind <= KIND_F64 else sgemm, p_chr + 2, p_chr + 3, p_int,
@@ -110,6 +122,8 @@ def bsr_mm(
         if set_threads != 0:
             ints[7] = old_threads
             set_threads_local(set_threads, p_int + 28)
+        differ += n  # (a reduction over the workers)
+    proof[1] = differ
 
 
 class BsrMMArgs(NamedTuple):
@@ -146,6 +160,10 @@ class BsrMMArgs(NamedTuple):
     overwrite: Bool
     isz_ab: Int  # element sizes in bytes: blocks and dense, out
     isz_c: Int
+    proof: Ints1  # the in-loop proof: as compiled.small.BsrMMSmallArgs's (compared in the first panel)
+    crow_live: Int
+    col_live: Int
+    live_wide: Bool
     sgemm: Int = 0  # BLAS addresses (0: absent), from the provider
     dgemm: Int = 0
     gemm_bf16: Int = 0

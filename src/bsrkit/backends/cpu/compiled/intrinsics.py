@@ -141,6 +141,18 @@ def int64_pointer(typingctx, address):
 
 
 @intrinsic
+def int32_pointer(typingctx, address):
+    """``address`` (int64) as a pointer to int32."""
+    check_scalars((address,))
+
+    def codegen(context, builder, signature, llargs):
+        ptr = context.get_value_type(signature.return_type)
+        return builder.inttoptr(context.cast(builder, llargs[0], signature.args[0], types.int64), ptr)
+
+    return types.CPointer(types.int32)(address), codegen
+
+
+@intrinsic
 def float32_from_bits(typingctx, bits):
     """The float32 whose bit pattern is the int32 ``bits`` (vectorizes, unlike a store and reload)."""
     if not isinstance(bits, types.Integer):
@@ -262,6 +274,26 @@ def gemm_scalars(kind, alpha, swap, a_rowmajor, b_rowmajor, lda, ldb, ldc, Ks):
         rsize = 4
     p_int = state.ctypes.data
     return ints, p_int, p_int + 40, rsize, p_int + 64
+
+
+# -- the in-loop proof of the index data -----------------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=False)
+def index_mismatches(plan, g0, g1, live_addr, at, wide):
+    """How many of ``plan[g0:g1]`` differ from the live index entries ``at + g0 .. at + g1`` at
+    ``live_addr`` (int64, or int32 unless ``wide``). The live values are compared, never used: a
+    concurrent write can change a count, never an access."""
+    n = 0
+    if wide:
+        live = int64_pointer(live_addr)
+        for g in range(g0, g1):
+            n += plan[g] != live[at + g]
+    else:
+        live32 = int32_pointer(live_addr)
+        for g in range(g0, g1):
+            n += plan[g] != live32[at + g]
+    return n
 
 
 # -- the work split ---------------------------------------------------------------------------------------

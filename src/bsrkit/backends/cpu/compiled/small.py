@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from bsrkit.backends.cpu.compiled.constants import DOT_PAIRS, KIND_F64
-from bsrkit.backends.cpu.compiled.intrinsics import task_bound, typed_pointer
+from bsrkit.backends.cpu.compiled.intrinsics import index_mismatches, task_bound, typed_pointer
 from bsrkit.backends.cpu.compiled.support import (
     Address,
     Bool,
@@ -334,8 +334,11 @@ def _axpy_row(A, a0, a_gs, a_rs, a_cs, X, x0, x_ld, cols, g0, g1, C, c0, c_rs, c
 @numba.njit(nogil=True, cache=False)
 def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows,
                a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
-               c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite):  # fmt: skip
-    """Worker ``t``'s run of (batch, block row) tasks, in the float type of ``zero`` (L lanes)."""
+               c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite,
+               check, crow_live, col_live, live_wide):  # fmt: skip
+    """Worker ``t``'s run of (batch, block row) tasks, in the float type of ``zero`` (L lanes). ``check``:
+    also compare the plan's index entries each task reads with the live ones (see
+    :class:`BsrMMSmallArgs`); returns how many differ (0 without ``check``)."""
     A = typed_pointer(a_addr, zero)
     X = typed_pointer(x_addr, zero)
     C = typed_pointer(c_addr, zero)
@@ -343,10 +346,16 @@ def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows
     V = typed_pointer(scratch.ctypes.data, zero)
     b, i = task_bound(t, nthreads, bstart, cum, bsr_of, rows, rows)
     b_end, i_end = task_bound(t + 1, nthreads, bstart, cum, bsr_of, rows, rows)
+    ncol = col.shape[1]
+    differ = 0
     while b < b_end or (b == b_end and i < i_end):
         bb = bsr_of[b]
         g0 = crow[bb, i]
         g1 = crow[bb, i + 1]
+        if check:  # the task's entries: crow[i + 1] (and crow[0] at row 0), col[g0:g1]
+            r0 = 0 if i == 0 else i + 1
+            differ += index_mismatches(crow[bb], r0, i + 2, crow_live, bb * (rows + 1), live_wide)
+            differ += index_mismatches(col[bb], g0, g1, col_live, bb * ncol, live_wide)
         c0 = c_boff[b] + i * Ms * c_rs
         if g0 == g1:
             if overwrite:
@@ -361,6 +370,7 @@ def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows
         if i == rows:
             b += 1
             i = 0
+    return differ
 
 
 @njit(parallel=True, nogil=True)
@@ -370,25 +380,33 @@ def bsr_mm_small(
     x_addr, x_boff, x_ld, dot,
     c_addr, c_boff, c_rs, c_cs,
     Ms, Ks, N, Wp, alpha, overwrite,
+    proof, crow_live, col_live, live_wide,
 ):  # fmt: skip
     """See :func:`bsrkit.backends.cpu.kernels.bsr_mm_small_kernel`: float32 (kind 0) or float64 (1)."""
+    proof[1] = 0
     nbatch = bsr_of.shape[0]
     rows = crow.shape[1] - 1
     if rows == 0:
         return
+    check = proof[0] != 0
     bstart = np.empty(nbatch + 1, np.float64)  # cost before each batch's first task
     bstart[0] = 0.0
     for b in range(nbatch):
         bstart[b + 1] = bstart[b] + cum[bsr_of[b], rows]
+    differ = 0
     for t in numba.prange(nthreads):
         if kind == KIND_F64:
-            _small_run(np.float64(0), 4, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows,
-                       a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
-                       c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite)  # fmt: skip
+            n = _small_run(np.float64(0), 4, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows,
+                           a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
+                           c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite,
+                           check, crow_live, col_live, live_wide)  # fmt: skip
         else:
-            _small_run(np.float32(0), 8, np.float32(alpha), t, nthreads, bstart, crow, col, cum, bsr_of,
-                       rows, a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
-                       c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite)  # fmt: skip
+            n = _small_run(np.float32(0), 8, np.float32(alpha), t, nthreads, bstart, crow, col, cum, bsr_of,
+                           rows, a_addr, a_boff, a_gs, a_rs, a_cs, x_addr, x_boff, x_ld, dot,
+                           c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite,
+                           check, crow_live, col_live, live_wide)  # fmt: skip
+        differ += n  # (a reduction over the workers)
+    proof[1] = differ
 
 
 class BsrMMSmallArgs(NamedTuple):
@@ -419,6 +437,15 @@ class BsrMMSmallArgs(NamedTuple):
     Wp: Int
     alpha: Float
     overwrite: Bool
+    # The in-loop proof (a prepared call's, see bsrkit.backends.cpu.running): with proof[0] != 0, every
+    # task also compares the plan entries it reads (crow[i + 1], crow[0] at row 0, col[crow[i]:crow[i + 1]];
+    # together every entry of every batch) with the live index memory at crow_live and col_live
+    # (C-contiguous, int64 or, unless live_wide, int32; addressed from the plan's own indices only). The
+    # loop writes the count of differing entries to proof[1] (0 without the comparison).
+    proof: Ints1
+    crow_live: Int
+    col_live: Int
+    live_wide: Bool
 
 
 check_fields(BsrMMSmallArgs, bsr_mm_small)
