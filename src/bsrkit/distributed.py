@@ -225,22 +225,23 @@ class BlockRowParallelBSRLinear(nn.Module):
             )
         lead = x.shape[:-1]
         x2 = _ReplicatedInput.apply(x.reshape(-1, self.in_features), self.group)
-        # y_r^T = W_r x^T: rows of the output features, gathered along the (contiguous) first dimension.
-        y_t = custom_ops.bsr_mm(
+        # y_r = x W_r^T (row-major, as BSRLinear's): its transpose's rows are this rank's output features,
+        # gathered along the first dimension.
+        y_r = custom_ops.linear(
             self.crow_indices,
             self.col_indices,
             self.values,
-            x2.mT,
+            x2,
+            self.bias,  # (this rank's part: added before the gather)
             self.local_out_features,
             self.in_features,
             False,
         )
-        if self.bias is not None:
-            y_t = y_t + self.bias[:, None]
         bo = self.blocksize[0]
         counts = tuple((b - a) * bo for a, b in _pairs(self.row_splits))
-        y = _GatherRows.apply(y_t, self.group, counts, self.rank)
-        return y.mT.reshape(*lead, self.out_features)
+        # (row-major, as BSRLinear's output: the ops after it then compute what they compute after it)
+        y = _GatherRows.apply(y_r.mT, self.group, counts, self.rank).mT.contiguous()
+        return y.reshape(*lead, self.out_features)
 
     def to_bsr_linear(self) -> BSRLinear:
         """The whole layer, gathered from all ranks (a collective: every rank of the group calls it and
