@@ -44,7 +44,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} threads, float32, no grad; µs per call, median of {args.rounds} rounds")
     cols = ["bsr_dense_mm", "layer", "layer nb", "compiled", "F.linear"]
-    print(f"{'n,bs,density,N':>18} | " + " ".join(f"{c:>12}" for c in cols) + " | layer - mm, nb - mm, compiled - mm")
+    header = " ".join(f"{c:>12}" for c in cols)
+    print(f"{'n,bs,density,N':>18} | {header} | layer - mm, nb - mm, compiled - mm")
     for point in args.points:
         n, bs, density, N = point.split(",")
         n, bs, N, d = int(n), int(bs), int(N), float(density)
