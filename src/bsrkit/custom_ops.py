@@ -61,6 +61,8 @@ def linear_product(
                 shortcuts.forget_operand(weight, a)
                 a = None
     if not done:
+        if a is None:
+            a = Operand.of(weight, _OP, "weight")  # (validates the pattern once; errors name the weight)
         ops.checked_addmm(
             _OP, None, weight, dense, beta=0.0, alpha=1.0, out=out, meta=None, transpose=transposed,
             checked=checked, operand=a,
