@@ -6,7 +6,8 @@
 Each point is ``n,blocksize,density,N`` (an n x n weight, N tokens, float32, ``--threads``). A round times
 each method over a loop of >= 20 ms and takes the time per call; the methods alternate round by round and
 the table gives the median over rounds. ``layer`` has a bias (``y += b``: one more op), ``layer nb`` none;
-``bsr_dense_mm`` is given ``x.mT`` (``W x^T``, what the layer computes) and allocates its output.
+``bsr_dense_mm`` is given ``x.mT`` (``W x^T``, what the layer computes) and allocates its output;
+``compiled lin`` is the dense ``nn.Linear`` under ``torch.compile``: what compiling costs per call anyway.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} threads, float32, no grad; µs per call, median of {args.rounds} rounds")
-    cols = ["bsr_dense_mm", "layer", "layer nb", "compiled", "F.linear"]
+    cols = ["bsr_dense_mm", "layer", "layer nb", "compiled", "F.linear", "compiled lin"]
     header = " ".join(f"{c:>12}" for c in cols)
     print(f"{'n,bs,density,N':>18} | {header} | layer - mm, nb - mm, compiled - mm")
     for point in args.points:
@@ -66,6 +67,8 @@ def main() -> int:
         if not args.no_compile:
             compiled = torch.compile(layer, fullgraph=True)
             methods["compiled"] = lambda: compiled(x)  # noqa: B023
+            compiled_dense = torch.compile(dense, fullgraph=True)
+            methods["compiled lin"] = lambda: compiled_dense(x)  # noqa: B023
         times: dict[str, list[float]] = {name: [] for name in methods}
         with torch.no_grad():
             calls = {}
@@ -84,6 +87,7 @@ def main() -> int:
         extra = f"{med['layer'] - med['bsr_dense_mm']:+.1f}, {med['layer nb'] - med['bsr_dense_mm']:+.1f}"
         if "compiled" in med:
             extra += f", {med['compiled'] - med['bsr_dense_mm']:+.1f}"
+            extra += f" (compiled lin - F.linear {med['compiled lin'] - med['F.linear']:+.1f})"
         print(f"{point:>18} | {row} | {extra}", flush=True)
     return 0
 

@@ -140,11 +140,16 @@ class BSRLinear(nn.Module):
             raise ValueError(
                 f"BSRLinear.forward(): expected x.shape[-1] == {self.in_features}, got {x.shape[-1]}"
             )
-        values, bias = self.values, self.bias
+        # (the tables Module.__getattr__ would search: 0.1 µs a read instead of 0.8, on every decode step)
+        params, buffers = self._parameters, self._buffers
+        values, bias = params["values"], params["bias"]
+        assert values is not None
         if x.dtype is not values.dtype:
             check_operand_dtypes("BSRLinear.forward", "x", x, "values", values)
         x2 = x if x.ndim == 2 else x.reshape(-1, self.in_features)
-        parts = (self.crow_indices, self.col_indices, values, x2, bias, self.out_features, self.in_features)
+        crow, col = buffers["crow_indices"], buffers["col_indices"]
+        assert crow is not None and col is not None
+        parts = (crow, col, values, x2, bias, self.out_features, self.in_features)
         if _needs_grad(x, values, bias) or torch.compiler.is_compiling():
             y = custom_ops.linear(*parts, False)
         else:  # (no gradient to record: the product itself, without the dispatcher's ~30 µs)

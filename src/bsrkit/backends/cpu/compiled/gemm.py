@@ -76,7 +76,7 @@ def bsr_mm(
         tb = CBLAS_NO_TRANS if b_rowmajor else CBLAS_TRANS
         b, i = task_bound(t, nthreads, bstart, cum, bsr_of, rows, ntasks)
         b_end, i_end = task_bound(t + 1, nthreads, bstart, cum, bsr_of, rows, ntasks)
-        n = 0  # this worker's differing index entries (the in-loop proof)
+        n = 0  # this worker's index ranges that differ (the in-loop proof)
         while b < b_end or (b == b_end and i < i_end):
             bb = bsr_of[b]
             j0 = (i // rows) * panel
@@ -92,9 +92,9 @@ def bsr_mm(
             g1 = crow[bb, r + 1]
             if check and j0 == 0:  # (in the first panel: as in compiled.small, each entry once per batch)
                 n += index_mismatches(
-                    crow[bb], 0 if r == 0 else r + 1, r + 2, crow_live, bb * (rows + 1), live_wide
+                    crow, bb, 0 if r == 0 else r + 1, r + 2, crow_live, bb * (rows + 1), live_wide
                 )
-                n += index_mismatches(col[bb], g0, g1, col_live, bb * ncol, live_wide)
+                n += index_mismatches(col, bb, g0, g1, col_live, bb * ncol, live_wide)
             c_ptr = c_addr + (c_boff[b] + r * Ms * c_rs + j0 * c_cs) * isz_c
             if g0 == g1 and overwrite:  # an empty block row: gemm with k = 0, beta = 0 writes 0
                 call_fortran_gemm(gemm if kind <= KIND_F64 else sgemm, p_chr + 2, p_chr + 3, p_int,

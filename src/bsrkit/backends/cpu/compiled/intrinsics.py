@@ -279,21 +279,23 @@ def gemm_scalars(kind, alpha, swap, a_rowmajor, b_rowmajor, lda, ldb, ldc, Ks):
 # -- the in-loop proof of the index data -----------------------------------------------------------------
 
 
-@numba.njit(nogil=True, cache=False)
-def index_mismatches(plan, g0, g1, live_addr, at, wide):
-    """How many of ``plan[g0:g1]`` differ from the live index entries ``at + g0 .. at + g1`` at
-    ``live_addr`` (int64, or int32 unless ``wide``). The live values are compared, never used: a
-    concurrent write can change a count, never an access."""
-    n = 0
+@numba.njit(nogil=True, cache=False, inline="always")
+def index_mismatches(plan, row, g0, g1, live_addr, at, wide):
+    """1 if any of ``plan[row, g0:g1]`` (a C-contiguous int64 plan array) differs from the live index
+    entries ``at + g0 .. at + g1`` at ``live_addr`` (int64, or int32 unless ``wide``), else 0. The live
+    values are compared, never used: a concurrent write can change the verdict, never an access. (Raw
+    pointers and an OR of XORs: no negative-index branch and no count, so LLVM vectorizes the loop.)"""
+    p = int64_pointer(plan.ctypes.data + row * plan.shape[1] * 8)
+    acc = 0
     if wide:
         live = int64_pointer(live_addr)
         for g in range(g0, g1):
-            n += plan[g] != live[at + g]
+            acc |= p[g] ^ live[at + g]
     else:
         live32 = int32_pointer(live_addr)
         for g in range(g0, g1):
-            n += plan[g] != live32[at + g]
-    return n
+            acc |= p[g] ^ live32[at + g]
+    return 1 if acc != 0 else 0
 
 
 # -- the work split ---------------------------------------------------------------------------------------

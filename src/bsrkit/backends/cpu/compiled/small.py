@@ -338,7 +338,7 @@ def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows
                check, crow_live, col_live, live_wide):  # fmt: skip
     """Worker ``t``'s run of (batch, block row) tasks, in the float type of ``zero`` (L lanes). ``check``:
     also compare the plan's index entries each task reads with the live ones (see
-    :class:`BsrMMSmallArgs`); returns how many differ (0 without ``check``)."""
+    :class:`BsrMMSmallArgs`); returns how many rows differ (0 without ``check``)."""
     A = typed_pointer(a_addr, zero)
     X = typed_pointer(x_addr, zero)
     C = typed_pointer(c_addr, zero)
@@ -354,8 +354,8 @@ def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows
         g1 = crow[bb, i + 1]
         if check:  # the task's entries: crow[i + 1] (and crow[0] at row 0), col[g0:g1]
             r0 = 0 if i == 0 else i + 1
-            differ += index_mismatches(crow[bb], r0, i + 2, crow_live, bb * (rows + 1), live_wide)
-            differ += index_mismatches(col[bb], g0, g1, col_live, bb * ncol, live_wide)
+            differ += index_mismatches(crow, bb, r0, i + 2, crow_live, bb * (rows + 1), live_wide)
+            differ += index_mismatches(col, bb, g0, g1, col_live, bb * ncol, live_wide)
         c0 = c_boff[b] + i * Ms * c_rs
         if g0 == g1:
             if overwrite:
@@ -441,7 +441,7 @@ class BsrMMSmallArgs(NamedTuple):
     # task also compares the plan entries it reads (crow[i + 1], crow[0] at row 0, col[crow[i]:crow[i + 1]];
     # together every entry of every batch) with the live index memory at crow_live and col_live
     # (C-contiguous, int64 or, unless live_wide, int32; addressed from the plan's own indices only). The
-    # loop writes the count of differing entries to proof[1] (0 without the comparison).
+    # loop writes the count of index ranges that differ to proof[1] (0 without the comparison).
     proof: Ints1
     crow_live: Int
     col_live: Int
