@@ -26,12 +26,13 @@ __all__ = ["DEFAULTS", "TABLE_NAME", "break_even_density", "measure", "table_key
 
 TABLE_NAME = "break_even"
 
-# By device type and square blocksize, when the tables hold no entry for the device. CPU: float32, 2
-# threads (AMD EPYC, `bsrkit tune --break-even`, 2026-12-05: docs/performance.md). CUDA: H200, bfloat16,
-# n = 8192: bsrkit matched cuBLAS near density 0.17 / 0.30 / 0.40 at blocksizes 32 / 64 / 128, kept a
-# little below each crossing.
+# By device type and square blocksize, when the tables hold no entry for the device, a little below each
+# measured crossing. CPU: float32, 2 threads, `bsrkit tune --break-even --sizes 2048 --blocksizes
+# 16,32,64` (AMD EPYC, 2026-12-05, docs/performance.md): crossings 0.451 / 0.658 / 0.843 (the 512-token
+# prefill; one token crosses above 0.9). CUDA: H200, bfloat16, n = 8192: bsrkit matched cuBLAS near
+# density 0.17 / 0.30 / 0.40 at blocksizes 32 / 64 / 128.
 DEFAULTS: dict[str, dict[int, float]] = {
-    "cpu": {16: 0.5, 32: 0.6, 64: 0.65},
+    "cpu": {16: 0.45, 32: 0.6, 64: 0.75},
     "cuda": {32: 0.15, 64: 0.25, 128: 0.35},
 }
 
