@@ -1,0 +1,76 @@
+"""Where a repeated CPU product proves its pattern unchanged: inside the compiled loop (the default), in
+Python before the loop (``Snapshot.unchanged()``, what the loop's proof replaced), or not at all
+(``BSRKIT_CHECK_PLANS=0``), in one process, rounds alternating between the three.
+
+    .venv/bin/python benchmarks/proof_ab.py [--points 4096,16,0.1,1 ...] [--rounds 15] [--calls 300]
+
+Each point is ``n,blocksize,density,N`` (an n x n float32 BSR weight times n x N, 2 threads); µs per call,
+medians over rounds; "extra" is against no proof.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import torch
+
+import bsrkit
+from bsrkit.benchmarking import random_bsr_weight
+from bsrkit.operand import Operand
+
+warnings.filterwarnings("ignore")
+
+
+def per_call(fn: object, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()  # type: ignore[operator]
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--points", nargs="+", default=["4096,16,0.1,1", "4096,32,0.1,1", "4096,16,0.1,4",
+                                                     "4096,32,0.1,16"])  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"{'n,bs,density,N':>16} | {'no proof':>9} {'Python':>9} {'loop':>9} | Python extra, loop extra")
+    for point in args.points:
+        n, bs, density, N = point.split(",")
+        w, _ = random_bsr_weight(int(n), int(bs), float(density))
+        x = torch.randn(int(n), int(N))
+        product = lambda: bsrkit.bsr_dense_mm(w, x)  # noqa: E731, B023
+        for _ in range(20):
+            product()
+        (kept,) = Operand.of(w).calls.values()  # the kept operand's one prepared call
+        rerun = kept[3]
+        if not rerun.proves:
+            print(f"{point:>16} | (this call's loop cannot prove: skipped)")
+            continue
+        times: dict[str, list[float]] = {"none": [], "python": [], "loop": []}
+        try:
+            for _ in range(args.rounds):
+                for mode, t in times.items():
+                    rerun.proves = mode == "loop"
+                    if mode == "none":
+                        os.environ["BSRKIT_CHECK_PLANS"] = "0"
+                    t.append(per_call(product, args.calls))
+                    os.environ.pop("BSRKIT_CHECK_PLANS", None)
+        finally:
+            rerun.proves = True
+        m = {mode: statistics.median(t) for mode, t in times.items()}
+        python, loop = (100 * (m[k] / m["none"] - 1) for k in ("python", "loop"))
+        print(f"{point:>16} | {m['none']:>9.1f} {m['python']:>9.1f} {m['loop']:>9.1f} | "
+              f"{python:+.1f}%, {loop:+.1f}%")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
