@@ -142,19 +142,11 @@ def addmm(
     values = a.values
     fast = checked is not None and meta is None and overwrite and a.calls is not None
     if fast:  # (a kept operand: its values' layout is fixed)
-        key: tuple[Any, ...] = _fast_key(checked, dense, out)
-        rerun = shortcuts.prepared_call(a, key, checked, tuning.resolve_state())
-        if rerun is not None:
-            if unproven:
-                # Nothing before this call trusted the index data. Its loop addresses memory through its
-                # own (validated) plan only, so a changed pattern steers no access; its verdict covers
-                # every entry of the plan (see compiled.small.BsrMMSmallArgs).
-                if rerun.proves:
-                    shortcuts.proven_in_loop(rerun(values, dense, out, True))
-                    return out
-                _prove(a)
-            rerun(values, dense, out)
+        assert checked is not None
+        if rerun_prepared(a, checked, dense, out, unproven):
             return out
+        unproven = False  # (proven there, whole, when no call was prepared)
+        key: tuple[Any, ...] = _fast_key(checked, dense, out)
     if unproven:
         _prove(a)  # (before the pattern's plans are read)
     Ms, Ks = values.shape[-2:]
@@ -200,6 +192,9 @@ def rerun_prepared(
     if a.calls is not None:
         rerun = shortcuts.prepared_call(a, _fast_key(checked, dense, out), checked, tuning.resolve_state())
     if rerun is not None and unproven and rerun.proves:
+        # Nothing before this call trusted the index data. Its loop addresses memory through its own
+        # (validated) plan only, so a changed pattern steers no access; its verdict covers every entry of
+        # the plan (see compiled.small.BsrMMSmallArgs).
         shortcuts.proven_in_loop(rerun(a.values, dense, out, True))
         return True
     if unproven:
