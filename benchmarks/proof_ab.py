@@ -5,7 +5,9 @@ Python before the loop (``Snapshot.unchanged()``, what the loop's proof replaced
     .venv/bin/python benchmarks/proof_ab.py [--points 4096,16,0.1,1 ...] [--rounds 15] [--calls 300]
 
 Each point is ``n,blocksize,density,N`` (an n x n float32 BSR weight times n x N, 2 threads); µs per call,
-medians over rounds; "extra" is against no proof.
+medians over rounds. "extra" is the median over rounds of each round's ratio to no proof (the modes of a
+round run back to back, in an order reversed every other round, so that drift cancels), with the
+interquartile range of those ratios in brackets.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def main() -> int:
             continue
         times: dict[str, list[float]] = {"none": [], "python": [], "loop": []}
         try:
-            for _ in range(args.rounds):
-                for mode, t in times.items():
+            for r in range(args.rounds):
+                for mode in list(times)[:: 1 if r % 2 == 0 else -1]:
+                    t = times[mode]
                     rerun.proves = mode == "loop"
                     if mode == "none":
                         os.environ["BSRKIT_CHECK_PLANS"] = "0"
@@ -66,9 +69,13 @@ def main() -> int:
         finally:
             rerun.proves = True
         m = {mode: statistics.median(t) for mode, t in times.items()}
-        python, loop = (100 * (m[k] / m["none"] - 1) for k in ("python", "loop"))
+        extra = {}
+        for k in ("python", "loop"):
+            ratios = [100 * (a / b - 1) for a, b in zip(times[k], times["none"], strict=True)]
+            q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+            extra[k] = f"{med:+.1f}% [{q1:+.1f}, {q3:+.1f}]"
         print(f"{point:>16} | {m['none']:>9.1f} {m['python']:>9.1f} {m['loop']:>9.1f} | "
-              f"{python:+.1f}%, {loop:+.1f}%")  # fmt: skip
+              f"{extra['python']}, {extra['loop']}")  # fmt: skip
     return 0
 
 

@@ -71,14 +71,14 @@ def test_rebuild_per_step_hits_the_plan_cache(monkeypatch):
         weight = torch.sparse_bsr_tensor(crow, col, torch.randn(col.shape[0], 8, 8), size=(64, 64))
         assert_close(bsrkit.bsr_dense_mm(weight, x), reference.bsr_dense_mm(weight, x), k=64)
     info = bsrkit.cache_info()
-    # Two entries per pattern (its validity verdict and the CPU plan), built once; every later step is one
-    # hit (the verdict, which holds the plan it was asked for).
-    assert (info.misses, info.hits, info.currsize, info.dead_evictions) == (2, 4, 2, 0)
+    # One entry per pattern (its validity verdict, which holds the CPU plan derived from the validated
+    # bytes), built once; every later step is one hit.
+    assert (info.misses, info.hits, info.currsize, info.dead_evictions) == (1, 4, 1, 0)
     del weight, pattern
-    assert bsrkit.cache_info().currsize == 2  # crow and col still hold the index memory
+    assert bsrkit.cache_info().currsize == 1  # crow and col still hold the index memory
     del crow, col
     info = bsrkit.cache_info()
-    assert (info.currsize, info.nbytes, info.dead_evictions) == (0, 0, 2)
+    assert (info.currsize, info.nbytes, info.dead_evictions) == (0, 0, 1)
 
 
 def test_views_recreated_per_call_hit():
@@ -310,7 +310,7 @@ def test_kept_operand_is_never_stale_and_dies_with_the_tensor(monkeypatch):
     kept = bsrkit.shortcut_info()
     assert (kept.kept_operands, kept.operand_hits) == (1, 2)
     info = bsrkit.cache_info()
-    assert (info.misses, info.hits) == (2, 2)  # verdict and CPU plan built once; two shortcut hits
+    assert (info.misses, info.hits) == (1, 2)  # verdict (holding the CPU plan) built once; two shortcut hits
     bsr.col_indices()[0] = 1  # in place, through the tensor's own accessor
     assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x))
     other = torch.eye(8).to_sparse_bsr((4, 4))

@@ -249,6 +249,58 @@ def test_a_write_to_the_pattern_is_never_served_stale(backend, op, write, tmp_pa
         assert bsrkit.cache_info().stale > stale_before  # a plan was refused, not missed by luck
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_a_write_undone_during_a_derivation_leaves_no_stale_plan(backend, op, monkeypatch):
+    """The race of a writer with a plan's derivation, made deterministic: every derivation (the pattern's
+    check, every plan builder, the block bias) finds another pattern in the memory, which is put back
+    before the derivation ends (A -> B -> A). Snapshot and derivation must see the same bytes: the
+    products, first and repeated, are those of the pattern the memory holds."""
+    from bsrkit import mask_bias, plans
+
+    run, values = OPS[op]
+    w = _weight(values())
+    live = w.col.numpy()
+    depth = [0]
+
+    def during_a_write(derive: Callable[..., Any]) -> Callable[..., Any]:
+        def derive_while_written(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            live[:] = NEW_COL
+            try:
+                return derive(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    live[:] = OLD_COL
+
+        return derive_while_written
+
+    for name, builder in list(plans._BUILDERS.items()):
+        monkeypatch.setitem(plans._BUILDERS, name, during_a_write(builder))
+    monkeypatch.setattr(plans, "pattern_defect", during_a_write(plans.pattern_defect))
+    monkeypatch.setattr(mask_bias, "block_bias", during_a_write(mask_bias.block_bias))
+    bsrkit.cache_clear()
+    for _ in range(3):  # built, then the cache's hits and the shortcuts
+        _check(run, w.bsr)
+        assert w.col.tolist() == OLD_COL
+
+
+def test_verify_contents_derives_from_the_copy_it_compares():
+    """A write that lands while the function runs and is undone before the next call (A -> B -> A): the
+    function read the snapshot's copy (A), so the hit that the unchanged memory allows serves A's value."""
+    x = torch.tensor([1, 2, 3])
+
+    @weak_lru_cache(verify_contents=True)
+    def total(t: torch.Tensor) -> int:
+        x.numpy()[0] = 100  # (another thread's write, in real use)
+        seen = int(t.sum())
+        x.numpy()[0] = 1
+        return seen
+
+    assert total(x) == 6
+    assert total(x) == 6 and total.cache_info().hits == 1
+
+
 @pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])
 def test_indices_data_written_in_place_are_never_served_stale(backend, fmt):
     """scatter_mm's own plans (the indices data's check and the CPU gemm list) are keyed on the indices
@@ -501,6 +553,26 @@ def test_verify_contents_of_a_sparse_argument_covers_its_indices():
     assert pattern(w.rebuilt()) == OLD_COL and pattern.cache_info().hits == 1
     w.col.numpy()[:] = NEW_COL
     assert pattern(w.rebuilt()) == NEW_COL and pattern.cache_info().stale == 1
+
+
+def test_pass_snapshot_hands_the_function_its_proof():
+    from bsrkit.freshness import Snapshot
+
+    seen: list[Snapshot] = []
+
+    @weak_lru_cache(verify_contents=True, pass_snapshot=True)
+    def first(t: torch.Tensor, *, snapshot: Snapshot) -> int:
+        seen.append(snapshot)
+        return int(t[0])
+
+    x = torch.arange(5)
+    assert first(x) == 0 and first(x) == 0 and len(seen) == 1
+    assert seen[0].unchanged()
+    x.numpy()[3] = 9  # inside the span the snapshot copied
+    assert not seen[0].unchanged()
+    assert first(x) == 0 and len(seen) == 2
+    with pytest.raises(ValueError, match="pass_snapshot to be a bool, True only with verify_contents=True"):
+        weak_lru_cache(pass_snapshot=True)
 
 
 def test_verify_contents_takes_a_bool():

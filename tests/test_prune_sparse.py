@@ -223,6 +223,28 @@ def test_layers_turn_block_sparse_below_the_break_even_density():
     assert pruner.sparse_layers() == ["0", "2", "4"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_break_even_density_is_the_layer_dtypes(tmp_path, monkeypatch, dtype):
+    """A tuning-table entry for float64 at this blocksize (0.99) turns a float64 layer block-sparse at
+    density 0.5; a float32 layer reads its own (default) entry and stays masked dense there."""
+    from bsrkit import break_even, tuning
+
+    table = tmp_path / "tuning.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    key = break_even.table_key(tuning.cpu_device_name(), torch.float64, BS)
+    tuning.save_entries({key: {"density": 0.99}}, table)
+    assert break_even_density("cpu", BS, torch.float32) < 0.5
+    model = _model(4, dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    pruner = GradualPruner(model, opt, blocksize=8, target_density=0.5, start_step=0, end_step=1, every=1)
+    x, y = _batch(0, dtype)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    pruner.step()
+    assert set(pruner.densities().values()) == {0.5}
+    assert pruner.sparse_layers() == (["0", "2", "4"] if dtype is torch.float64 else [])
+
+
 def test_drop_and_grow_and_the_rigl_schedule():
     mask = torch.tensor([[True, True, False], [True, False, False]])
     magnitude = torch.tensor([[3.0, 1.0, 0.0], [2.0, 0.0, 0.0]])

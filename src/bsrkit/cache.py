@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from bsrkit.freshness import Snapshot, content_tensors
+from bsrkit.freshness import Snapshot, content_tensors, with_data
 from bsrkit.keys import TensorKey
 
 __all__ = ["CacheInfo", "weak_lru_cache"]
@@ -179,12 +179,18 @@ _MISSING = object()
 
 class _CacheState:
     def __init__(
-        self, func: Callable[..., Any], maxsize: int | None, maxbytes: int | None, verify_contents: bool
+        self,
+        func: Callable[..., Any],
+        maxsize: int | None,
+        maxbytes: int | None,
+        verify_contents: bool,
+        pass_snapshot: bool,
     ) -> None:
         self.func = func
         self.maxsize = maxsize
         self.maxbytes = maxbytes
         self.verify_contents = verify_contents
+        self.pass_snapshot = pass_snapshot
         self.entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.inflight: dict[Hashable, _InFlight] = {}
         self.lock = threading.Lock()
@@ -226,7 +232,7 @@ class _CacheState:
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         key, keys, version = _make_key(args, kwargs)
         if key is _UNCACHEABLE:
-            return self.func(*args, **kwargs)
+            return self._compute(args, kwargs)[0]
         mine: _InFlight | None = None
         try:
             while True:
@@ -277,9 +283,7 @@ class _CacheState:
                         raise pending.error
                 # The computation started before an in-place change (stale for us), or its owner was
                 # interrupted: look again.
-            # The data's snapshot comes first: a write while func runs then shows at the next hit.
-            proof = Snapshot(_data_of(keys)) if self.verify_contents else None
-            value = self.func(*args, **kwargs)
+            value, proof = self._compute(args, kwargs)
             self._insert(key, keys, value, version, proof)
             mine.value = value
             mine.ok = True
@@ -294,6 +298,31 @@ class _CacheState:
                 with self.lock:
                     if self.inflight.get(key) is mine:
                         del self.inflight[key]
+
+    def _compute(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Snapshot | None]:
+        """``(func's value, the snapshot it was derived from)``. With ``verify_contents``, func reads the
+        snapshot's copy of its tensor arguments' data, never their memory (see :mod:`bsrkit.freshness`):
+        each tensor argument (or the tensor of a :class:`TensorKey`) is replaced by one of the same
+        metadata on that copy."""
+        if not self.verify_contents:
+            return self.func(*args, **kwargs), None
+        found: list[torch.Tensor] = []
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            found.append(t)
+            return t
+
+        _map_tensors((args, kwargs), collect)
+        data = [content_tensors(t) for t in found]
+        flat = [d for parts in data for d in parts]
+        proof = Snapshot(flat)
+        copies = iter(proof.copies(flat))
+        pairs = zip(found, data, strict=True)
+        twins = iter([with_data(t, tuple(next(copies) for _ in parts)) for t, parts in pairs])
+        args, kwargs = _map_tensors((args, kwargs), lambda _: next(twins))
+        if self.pass_snapshot:
+            kwargs = {**kwargs, "snapshot": proof}
+        return self.func(*args, **kwargs), proof
 
     def _insert(
         self,
@@ -404,14 +433,21 @@ def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
 
 
-def _data_of(keys: list[TensorKey]) -> list[torch.Tensor]:
-    """The strided tensors holding the data the keys name (their tensors are alive: the call holds them)."""
-    found: list[torch.Tensor] = []
-    for k in keys:
-        t = k.obj
-        if t is not None:
-            found.extend(content_tensors(t))
-    return found
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with every tensor (and the tensor of every :class:`TensorKey`) replaced by ``fn`` of it,
+    looking inside tuples and dicts (the arguments' tuple and keywords), in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if type(value) is TensorKey:
+        obj = value.obj
+        if obj is None:  # (not reached: the caller holds the tensor)
+            raise ValueError("weak_lru_cache: a TensorKey argument of a dead tensor")
+        return fn(obj)
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
 
 
 def _describe(name: Any) -> str:
@@ -465,7 +501,11 @@ def _make_key(
 
 
 def weak_lru_cache(
-    maxsize: int | None = 128, maxbytes: int | None = None, *, verify_contents: bool = False
+    maxsize: int | None = 128,
+    maxbytes: int | None = None,
+    *,
+    verify_contents: bool = False,
+    pass_snapshot: bool = False,
 ) -> Callable[[F], F]:
     """Decorator: memoize a function of tensors; entries die with the memory of their tensor arguments.
 
@@ -480,7 +520,13 @@ def weak_lru_cache(
     verify_contents:
         Keep a copy of the tensor arguments' data with each entry (for a sparse compressed tensor, of its
         indices, which is what its key names) and compare it on every hit (see
-        :mod:`bsrkit.freshness`). The copy's bytes are not counted in ``maxbytes``.
+        :mod:`bsrkit.freshness`). The copy's bytes are not counted in ``maxbytes``. The function then
+        reads that copy, never the arguments' memory: it receives, for each tensor argument (or
+        :class:`TensorKey`), a tensor of the same metadata whose data is the copy (a sparse compressed
+        tensor: its indices; its values hold no memory and must not be read).
+    pass_snapshot:
+        With ``verify_contents``: also pass the :class:`~bsrkit.freshness.Snapshot` the value is derived
+        from, as the keyword ``snapshot`` (for a value that proves itself later, like a ``Pattern``).
 
     **What a hit guarantees.** Without ``verify_contents``: the tensor arguments view the same memory in
     the same way as when the value was computed (live storages, offsets, shapes, strides, dtypes), and
@@ -500,7 +546,7 @@ def weak_lru_cache(
     hit; it is dropped, and its value released, as soon as the last tensor on that memory dies.
 
     A caller that has built the :class:`TensorKey` of a live tensor may pass the key in the tensor's
-    place (the function then receives the key; ``key.obj`` is the tensor).
+    place (the function then receives the key, ``key.obj`` the tensor; with ``verify_contents`` the copy).
 
     The wrapper has ``cache_info()`` -> :class:`CacheInfo` ``(hits, misses, maxsize, currsize, nbytes,
     dead_evictions, stale)``, ``cache_clear()`` and ``__wrapped__``. Concurrent calls with the same key
@@ -519,9 +565,14 @@ def weak_lru_cache(
         raise TypeError(
             f"weak_lru_cache(): expected verify_contents to be a bool, got {type(verify_contents).__name__}"
         )
+    if not isinstance(pass_snapshot, bool) or (pass_snapshot and not verify_contents):
+        raise ValueError(
+            f"weak_lru_cache(): expected pass_snapshot to be a bool, True only with verify_contents=True, "
+            f"got {pass_snapshot!r} with verify_contents={verify_contents!r}"
+        )
 
     def decorate(func: F) -> F:
-        state = _CacheState(func, maxsize, maxbytes, verify_contents)
+        state = _CacheState(func, maxsize, maxbytes, verify_contents, pass_snapshot)
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:

@@ -15,6 +15,12 @@ derivation makes the snapshot differ from the memory, so the next hit rebuilds. 
 whole byte range a view spans (from its first to its last element), a superset of what it reads: a write
 between the elements (another column of a matrix) is a needless rebuild, never a stale hit.
 
+**Derived from the copy.** The derivation reads the snapshot's copy (:meth:`Snapshot.copies`), never the
+live memory: otherwise a write during the derivation that is undone before the next hit (the memory reads
+A, the derivation sees B, the memory returns to A) would leave a value derived from B behind a snapshot
+that proves A. Derived from the copy, the value and the bytes every hit compares are the same bytes by
+construction, whatever writes the memory and whenever.
+
 **Cost.** Per tensor a copy at snapshot time and, per hit, a check that the storage is alive, unmoved and
 large enough, then a byte comparison: about 0.55 µs for a small pattern's ``crow`` and ``col`` together,
 about 1 µs at 13 KiB (measured in ``docs/performance.md``), then memory-bound (the memory and the copy are
@@ -47,7 +53,7 @@ import torch
 
 from bsrkit.environment import getenv, reader
 
-__all__ = ["CHECK_ENV", "Snapshot", "check_mode", "content_tensors"]
+__all__ = ["CHECK_ENV", "Snapshot", "check_mode", "content_tensors", "with_data"]
 
 CHECK_ENV = "BSRKIT_CHECK_PLANS"
 
@@ -103,6 +109,20 @@ def content_tensors(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if layout in (torch.sparse_csc, torch.sparse_bsc):
         return (t.ccol_indices(), t.row_indices())
     raise TypeError(f"bsrkit: expected a strided or sparse compressed tensor, got layout {layout}")
+
+
+def with_data(t: torch.Tensor, data: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``t`` with its :func:`content_tensors` replaced by ``data`` (tensors of the same metadata): a
+    strided tensor is ``data[0]``; a sparse compressed tensor is rebuilt on them, its values a tensor of
+    their shape and dtype that holds no memory (values are not part of its key: nothing derived from it
+    may read them)."""
+    if t.layout is torch.strided:
+        return data[0]
+    values = t.values()
+    stub = torch.zeros((), dtype=values.dtype, device=values.device).expand(values.shape)
+    return torch.sparse_compressed_tensor(
+        data[0], data[1], stub, size=t.shape, layout=t.layout, check_invariants=False
+    )
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -180,14 +200,17 @@ class Snapshot:
     The snapshot holds no tensor or storage alive (weak references only).
     """
 
-    __slots__ = ("_device", "_host", "_opaque")
+    __slots__ = ("_device", "_host", "_opaque", "_where")
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
         host: list[tuple[Any, ...]] = []
         device: list[_DeviceRegion] = []
+        # Per tensor, where its copy is (for copies()): ("host" | "device", index), or None: no data.
+        where: list[tuple[str, int] | None] = []
         opaque = False  # a tensor whose data cannot be read as bytes (a storage-less wrapper subclass)
         copy_device: bool | None = None
         for t in tensors:
+            where.append(None)
             if t.device.type == "meta" or t.numel() == 0:
                 continue  # no data to be stale
             try:
@@ -199,14 +222,44 @@ class Snapshot:
                 continue
             start, nbytes = _span(t)
             if storage.device.type == "cpu":
+                where[-1] = ("host", len(host))
                 host.append(_host_region(storage, start, nbytes))
             else:
                 if copy_device is None:
                     copy_device = check_mode()[1]
+                where[-1] = ("device", len(device))
                 device.append(_DeviceRegion(storage, start, nbytes, copy_device))
         self._host = tuple(host)
         self._device = tuple(device)
         self._opaque = opaque
+        self._where = tuple(where)
+
+    def copies(self, tensors: Iterable[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Tensors with the metadata of ``tensors`` (those the snapshot was taken of, in the same order)
+        whose data is the snapshot's copy: what a derivation reads (see the module's docstring). They
+        share no memory with ``tensors``. A device tensor's copy is taken now where the snapshot kept
+        none (outside the checked mode: the device's stream order makes it the data every later kernel
+        reads); a tensor without data (meta, empty) gets an empty one of its metadata, a fake or opaque
+        tensor is itself (nothing derived from it is ever proven: see :meth:`unchanged`)."""
+        out: list[torch.Tensor] = []
+        for t, where in zip(tensors, self._where, strict=True):
+            if where is None:
+                if t.numel() == 0 or t.device.type == "meta":
+                    out.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device))
+                else:
+                    out.append(t)
+                continue
+            kind, i = where
+            if kind == "host":  # (a writable copy of the kept bytes: torch refuses read-only buffers)
+                data = torch.frombuffer(bytearray(self._host[i][4]), dtype=torch.uint8)
+            else:
+                region = self._device[i]
+                kept = region.kept
+                if kept is None:
+                    kept = _bytes_of(t.untyped_storage(), region.start, region.size).clone()
+                data = kept
+            out.append(data.view(t.dtype).as_strided(t.shape, t.stride(), 0))
+        return tuple(out)
 
     def unchanged(self) -> bool:
         """Whether every byte the snapshot copied still holds its value (under ``$BSRKIT_CHECK_PLANS``:

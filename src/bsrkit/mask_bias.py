@@ -23,7 +23,6 @@ import torch
 
 from bsrkit import plans
 from bsrkit.cache import weak_lru_cache
-from bsrkit.operand import Operand
 
 __all__ = ["BlockBias", "after", "block_bias", "cached_block_bias"]
 
@@ -71,7 +70,7 @@ def block_bias(mask: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> Block
     else:
         full = empty = torch.zeros(vals.shape[:2], dtype=torch.bool, device=device)
     if is_causal:
-        rows = plans.block_rows(Operand.of(mask).source).reshape(vals.shape[:2]).to(device)
+        rows = plans.derive("rows", mask).reshape(vals.shape[:2]).to(device)
         cols = mask.col_indices().reshape(vals.shape[:2]).to(torch.int64)
         # A block's corners decide it: hidden whole when its first key comes after its last query, not at
         # all when its last key does not come after its first query.
@@ -97,7 +96,11 @@ def block_bias(mask: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> Block
 
 @weak_lru_cache(maxsize=64, maxbytes=2**28, verify_contents=True)
 def _cached(mask: torch.Tensor, values: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> BlockBias:
-    return block_bias(mask, is_causal, dtype)
+    # (mask and values: copies; the mask's own values hold no memory, see weak_lru_cache)
+    on_copies = torch.sparse_bsr_tensor(
+        mask.crow_indices(), mask.col_indices(), values, size=mask.shape, check_invariants=False
+    )
+    return block_bias(on_copies, is_causal, dtype)
 
 
 def cached_block_bias(mask: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> BlockBias:

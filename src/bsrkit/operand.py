@@ -93,7 +93,12 @@ class Operand(NamedTuple):
     def transposed(self) -> Operand:
         """The operand of ``bsr.mT``: the plan maps its blocks to the original's; no dense transpose."""
         Ks = self.values.shape[-1]
-        t = plans.transpose_plan(self.source, self.K // Ks if Ks else 0)
+        block_cols = self.K // Ks if Ks else 0
+        t = (
+            self.pattern.plan("transpose", block_cols)
+            if self.pattern is not None
+            else plans.transpose_plan(self.source, block_cols)
+        )
         batch = self.batch
         if self.values.stride(-3) == 0 or self.nnz <= 1:
             # Every block the same (expanded values): any order of them is this view itself; a gather

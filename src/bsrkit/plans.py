@@ -3,10 +3,12 @@
 Every plan is computed with vectorized torch ops (no Python loop over rows or blocks) and stored in one
 shared :func:`~bsrkit.cache.weak_lru_cache`, keyed on the BSR tensor by memory identity of its indices:
 the entry lives as long as the index memory (a BSR rebuilt every step from the same index tensors finds
-it). Every hit proves that the index data is byte-for-byte what the plan was derived from
-(``verify_contents``: see :mod:`bsrkit.freshness`), whatever wrote it; a changed pattern is rebuilt and
-validated again, never served stale. Every pattern is validated when its first plan is built
-(:func:`check_pattern`). Plans never compute products (see ``bsrkit.backends``).
+it). Every plan is derived from a copy of the index data taken before the derivation, and every hit
+proves that the memory still holds those bytes (``verify_contents``: see :mod:`bsrkit.freshness`),
+whatever wrote it; a changed pattern is rebuilt and validated again, never served stale. Every pattern is
+validated when it is first seen (:func:`check_pattern`), and the plans a product runs on are derived
+from the very bytes that were validated: they hang on the :class:`Pattern` (:meth:`Pattern.plan`).
+Plans never compute products (see ``bsrkit.backends``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "cached",
     "check_indices_data",
     "check_pattern",
+    "derive",
     "indices",
     "register",
     "transpose_plan",
@@ -55,17 +58,28 @@ Source = Any
 _BUILDERS: dict[str, Callable[..., Any]] = {}
 
 
-@weak_lru_cache(maxsize=256, verify_contents=True)
-def _plan(name: str, source: Source, *params: Any) -> Any:
+@weak_lru_cache(maxsize=256, verify_contents=True, pass_snapshot=True)
+def _plan(name: str, source: Source, *params: Any, snapshot: Snapshot | None = None) -> Any:
+    # (source and params: copies of the index data, taken in ``snapshot``, which the cache passes)
+    if name == "check":
+        if snapshot is None:
+            raise TypeError("plans._plan(): expected the snapshot the cache passes")
+        return _build_check(source, *params, proof=snapshot)
     return _BUILDERS[name](source, *params)
 
 
 def register(name: str, builder: Callable[..., Any]) -> None:
     """Add the plan ``name``, built by ``builder(source, *params)`` (a deterministic function of the
     source's index data and ``params``, never holding a view of the source), to the shared cache."""
-    if _BUILDERS.get(name, builder) is not builder:
+    if _BUILDERS.get(name, builder) is not builder or name == "check":
         raise ValueError(f"plans.register(): expected a new plan name, got {name!r} (already registered)")
     _BUILDERS[name] = builder
+
+
+def derive(name: str, source: Source, *params: Any) -> Any:
+    """The plan ``name`` of ``source`` computed now, not cached: for a builder deriving one plan from
+    another on the copy it was given (a cached lookup there would key on that copy's memory)."""
+    return _BUILDERS[name](source, *params)
 
 
 def cached(name: str, source: Source, *params: Any) -> Any:
@@ -76,7 +90,9 @@ def cached(name: str, source: Source, *params: Any) -> Any:
 
 def cache_info() -> CacheInfo:
     """Statistics of the shared plan cache: (hits, misses, maxsize, currsize, nbytes, dead_evictions,
-    stale); ``stale`` counts hits refused because the index data changed since the plan was built."""
+    stale); ``stale`` counts hits refused because the index data changed since the plan was built.
+    ``nbytes`` counts the plans stored as entries, not those a pattern's entry builds later and holds
+    (:meth:`Pattern.plan`: the product's own plans, about the size of the indices)."""
     return _plan.cache_info()  # type: ignore[attr-defined]
 
 
@@ -98,19 +114,32 @@ class MalformedPatternError(ValueError):
 
 
 class Pattern:
-    """A validated pattern (what :func:`check_pattern` returns), and what hangs on it: the plans fetched
-    through it (:func:`cpu_mm_plan` with ``pattern=``, so that a product finds pattern and plan in one
-    cache lookup), the prepared kernel calls of :mod:`bsrkit.shortcuts` (``calls``, which that module
-    alone reads and writes), and ``proof``, the snapshot of the index data it was judged on (taken before
-    the check), for the shortcuts that skip the cache. It lives in the plan cache's entry: with the
-    pattern's memory, until the index data changes."""
+    """A validated pattern (what :func:`check_pattern` returns), and what hangs on it.
 
-    __slots__ = ("calls", "plans", "proof")
+    ``proof`` is the snapshot of the index data it was judged on, and ``source`` the source rebuilt on
+    that snapshot's copy, which the check read: the plans a product runs on are derived from it
+    (:meth:`plan`), so they are plans of exactly the validated bytes, whatever writes the memory
+    meanwhile. ``calls`` holds the prepared kernel calls of :mod:`bsrkit.shortcuts` (which that module
+    alone reads and writes); the shortcuts that skip the cache trust all of it only while ``proof`` holds.
+    It lives in the plan cache's entry: with the pattern's memory, until the index data changes."""
 
-    def __init__(self, proof: Snapshot) -> None:
+    __slots__ = ("calls", "plans", "proof", "source")
+
+    def __init__(self, proof: Snapshot, source: Source) -> None:
         self.plans: dict[tuple[Any, ...], Any] = {}
         self.calls: dict[tuple[Any, ...], Any] = {}
         self.proof = proof
+        self.source = source  # (on the copy in proof: holds no view of the pattern's memory)
+
+    def plan(self, name: str, *params: Any) -> Any:
+        """The plan ``name`` (see :func:`register`) with ``params`` of the validated bytes, built on the
+        first request and kept here. For plans with few distinct ``params`` per pattern (the transpose,
+        block rows, the CPU kernel plan); the others are cached in the shared cache (:func:`cached`)."""
+        key = (name, *params)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self.plans[key] = _BUILDERS[name](self.source, *params)
+        return plan
 
     def forget(self) -> None:
         """Drop the plans and prepared calls hung on it (a deferred proof found its index data changed:
@@ -166,15 +195,13 @@ def indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
     return crow2, col.reshape(crow2.shape[0], col.shape[-1]).to(torch.int64)
 
 
-def _build_check(source: Source, block_rows: int, block_cols: int, nnz: int) -> Pattern:
-    if isinstance(source, TensorKey):
-        source = source.obj
+def _build_check(source: Source, block_rows: int, block_cols: int, nnz: int, *, proof: Snapshot) -> Pattern:
+    # (source: rebuilt on the copy in proof, which the cache took before this runs)
     crow, col = (source.crow_indices(), source.col_indices()) if isinstance(source, torch.Tensor) else source
-    proof = Snapshot((crow, col))  # (first: the verdict is on at most these bytes)
     defect = pattern_defect(crow, col, block_rows, block_cols, nnz)
     if defect is not None:
         raise MalformedPatternError(defect)
-    return Pattern(proof)
+    return Pattern(proof, source)
 
 
 def _build_check_indices(indices_data: tuple[Any, ...], *extents: Any) -> bool:
@@ -204,7 +231,7 @@ def _build_transpose(source: Source, block_cols: int) -> TransposePlan:
     crow, col = indices(source)
     B, nnz = col.shape
     block_rows_ = crow.shape[1] - 1
-    rows = block_rows(source)
+    rows = derive("rows", source)
     batches = torch.arange(B, device=col.device)[:, None]  # (on the indices' device: CUDA plans too)
     # Order the blocks by (column, row): a stable sort of col * rows + row per batch.
     order_key = col * max(block_rows_, 1) + rows + batches * (block_cols * max(block_rows_, 1))
@@ -216,6 +243,4 @@ def _build_transpose(source: Source, block_cols: int) -> TransposePlan:
     return TransposePlan(perm, crow_t, col_t)
 
 
-_BUILDERS.update(
-    check=_build_check, check_indices=_check_indices_from_key, transpose=_build_transpose, rows=_build_rows
-)
+_BUILDERS.update(check_indices=_check_indices_from_key, transpose=_build_transpose, rows=_build_rows)

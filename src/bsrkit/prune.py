@@ -96,8 +96,8 @@ class GradualPruner:
     ``regrow=RigL(fraction, every, until)`` blocks are also swapped at constant density.
 
     ``sparse_below``: a layer trains on block-sparse products once its density is below this (a number in
-    [0, 1]; ``"break_even"``, the default: :func:`~bsrkit.sparsify.break_even_density` of its device and
-    blocksize; None: masked dense until :meth:`finalize`).
+    [0, 1]; ``"break_even"``, the default: :func:`~bsrkit.sparsify.break_even_density` of its device,
+    dtype and blocksize; None: masked dense until :meth:`finalize`).
     """
 
     def __init__(
@@ -170,7 +170,7 @@ class GradualPruner:
             if sparse_below is None:
                 below = 0.0
             elif sparse_below == "break_even":
-                below = break_even_density(device, (bo, bi))
+                below = break_even_density(device, (bo, bi), module.weight.dtype)
             else:
                 below = float(sparse_below)
             self._layers.append(

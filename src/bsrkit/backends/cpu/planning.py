@@ -74,16 +74,12 @@ def cpu_mm_plan(source: Source, transposed_block_cols: int = 0, pattern: Pattern
     fetched, so that later products skip a second cache lookup."""
     if pattern is None:
         return plans.cached("cpu_mm", source, transposed_block_cols)
-    plan = pattern.plans.get(("cpu_mm", transposed_block_cols))
-    if plan is None:
-        plan = plans.cached("cpu_mm", source, transposed_block_cols)
-        pattern.plans[("cpu_mm", transposed_block_cols)] = plan
-    return plan
+    return pattern.plan("cpu_mm", transposed_block_cols)
 
 
 def _build_cpu_mm(source: Source, transposed_block_cols: int) -> CpuMMPlan:
     if transposed_block_cols:
-        t = plans.transpose_plan(source, transposed_block_cols)
+        t = plans.derive("transpose", source, transposed_block_cols)
         crow, col = t.crow, t.col
     else:
         crow, col = plans.indices(source)
