@@ -298,6 +298,25 @@ def index_mismatches(plan, row, g0, g1, live_addr, at, wide):
     return 1 if acc != 0 else 0
 
 
+@numba.njit(nogil=True, cache=False)
+def run_mismatches(crow, col, bsr_of, rows, b, i, b_end, i_end, crow_live, col_live, wide):
+    """How many index ranges read by a run of one-row tasks, from task ``(b, i)`` to ``(b_end, i_end)``
+    (batch, block row), differ from the live memory: per batch of the run, the row pointers ``crow[i + 1 ..
+    stop]`` (and ``crow[0]`` from row 0) and the columns ``col[crow[i] : crow[stop]]`` of the plan, each
+    compared in one pass, so that the comparison vectorizes over the whole run instead of one block row's
+    few entries at a time (a decode product's rows hold tens of blocks)."""
+    ncol = col.shape[1]
+    n = 0
+    while b < b_end or (b == b_end and i < i_end):
+        stop = rows if b < b_end else i_end
+        bb = bsr_of[b]
+        n += index_mismatches(crow, bb, 0 if i == 0 else i + 1, stop + 1, crow_live, bb * (rows + 1), wide)
+        n += index_mismatches(col, bb, crow[bb, i], crow[bb, stop], col_live, bb * ncol, wide)
+        b += 1
+        i = 0
+    return n
+
+
 # -- the work split ---------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from bsrkit.backends.cpu.compiled.constants import DOT_PAIRS, KIND_F64
-from bsrkit.backends.cpu.compiled.intrinsics import index_mismatches, task_bound, typed_pointer
+from bsrkit.backends.cpu.compiled.intrinsics import run_mismatches, task_bound, typed_pointer
 from bsrkit.backends.cpu.compiled.support import (
     Address,
     Bool,
@@ -337,8 +337,8 @@ def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows
                c_addr, c_boff, c_rs, c_cs, Ms, Ks, N, Wp, overwrite,
                check, crow_live, col_live, live_wide):  # fmt: skip
     """Worker ``t``'s run of (batch, block row) tasks, in the float type of ``zero`` (L lanes). ``check``:
-    also compare the plan's index entries each task reads with the live ones (see
-    :class:`BsrMMSmallArgs`); returns how many rows differ (0 without ``check``)."""
+    also compare the plan's index entries the run reads with the live ones, first (see
+    :class:`BsrMMSmallArgs`); returns how many index ranges differ (0 without ``check``)."""
     A = typed_pointer(a_addr, zero)
     X = typed_pointer(x_addr, zero)
     C = typed_pointer(c_addr, zero)
@@ -346,16 +346,13 @@ def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows
     V = typed_pointer(scratch.ctypes.data, zero)
     b, i = task_bound(t, nthreads, bstart, cum, bsr_of, rows, rows)
     b_end, i_end = task_bound(t + 1, nthreads, bstart, cum, bsr_of, rows, rows)
-    ncol = col.shape[1]
     differ = 0
+    if check:  # the run's entries: crow[i + 1 ..] (and crow[0] from row 0), col[crow[i] ..], per batch
+        differ = run_mismatches(crow, col, bsr_of, rows, b, i, b_end, i_end, crow_live, col_live, live_wide)
     while b < b_end or (b == b_end and i < i_end):
         bb = bsr_of[b]
         g0 = crow[bb, i]
         g1 = crow[bb, i + 1]
-        if check:  # the task's entries: crow[i + 1] (and crow[0] at row 0), col[g0:g1]
-            r0 = 0 if i == 0 else i + 1
-            differ += index_mismatches(crow, bb, r0, i + 2, crow_live, bb * (rows + 1), live_wide)
-            differ += index_mismatches(col, bb, g0, g1, col_live, bb * ncol, live_wide)
         c0 = c_boff[b] + i * Ms * c_rs
         if g0 == g1:
             if overwrite:
@@ -438,8 +435,9 @@ class BsrMMSmallArgs(NamedTuple):
     alpha: Float
     overwrite: Bool
     # The in-loop proof (a prepared call's, see bsrkit.backends.cpu.running): with proof[0] != 0, every
-    # task also compares the plan entries it reads (crow[i + 1], crow[0] at row 0, col[crow[i]:crow[i + 1]];
-    # together every entry of every batch) with the live index memory at crow_live and col_live
+    # worker first compares the plan entries its run of tasks reads (per batch: crow[i + 1 ..], crow[0]
+    # from row 0, col[crow[i]:crow[stop]]; together every entry of every batch) in one pass per range
+    # (intrinsics.run_mismatches) with the live index memory at crow_live and col_live
     # (C-contiguous, int64 or, unless live_wide, int32; addressed from the plan's own indices only). The
     # loop writes the count of index ranges that differ to proof[1] (0 without the comparison).
     proof: Ints1
