@@ -2,7 +2,7 @@
 Python before the loop (``Snapshot.unchanged()``, what the loop's proof replaced), or not at all
 (``BSRKIT_CHECK_PLANS=0``), in one process, rounds alternating between the three.
 
-    .venv/bin/python benchmarks/proof_ab.py [--points 4096,16,0.1,1 ...] [--rounds 15] [--calls 300]
+    .venv/bin/python benchmarks/proof_ab.py [--points 4096,16,0.1,1 ...] [--rounds 15] [--calls 300] [--out]
 
 Each point is ``n,blocksize,density,N`` (an n x n float32 BSR weight times n x N, 2 threads); µs per call,
 medians over rounds. "extra" is the median over rounds of each round's ratio to no proof (the modes of a
@@ -41,6 +41,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", action="store_true", help="write into a preallocated out= (as decode.py does)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{'n,bs,density,N':>16} | {'no proof':>9} {'Python':>9} {'loop':>9} | Python extra, loop extra")
@@ -48,7 +49,8 @@ def main() -> int:
         n, bs, density, N = point.split(",")
         w, _ = random_bsr_weight(int(n), int(bs), float(density))
         x = torch.randn(int(n), int(N))
-        product = lambda: bsrkit.bsr_dense_mm(w, x)  # noqa: E731, B023
+        out = torch.empty(int(n), int(N)) if args.out else None
+        product = lambda: bsrkit.bsr_dense_mm(w, x, out=out)  # noqa: E731, B023
         for _ in range(20):
             product()
         (kept,) = Operand.of(w).calls.values()  # the kept operand's one prepared call
