@@ -324,6 +324,43 @@ def test_indices_data_written_in_place_are_never_served_stale(backend, fmt):
     assert_close(bsrkit.bsr_scatter_mm(new, x, indices_data=data), reference.bsr_dense_mm(new, x), k=N_)
 
 
+@pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])
+def test_indices_data_written_between_the_check_and_the_kernel_plan_are_not_run(fmt, monkeypatch):
+    """A write racing one scatter_mm call, made deterministic: after the indices data was judged and
+    before the CPU kernel's plan is fetched, the caller's tensors hold another pattern's indices data,
+    put back afterwards. The kernel runs on the bytes that were judged (the verdict's copies), so the
+    product is the judged pattern's."""
+    from bsrkit.backends.cpu import planning
+
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    values = _float_values()
+    old = _weight(values).bsr
+    new = torch.sparse_bsr_tensor(torch.tensor(CROW), torch.tensor(NEW_COL), values, size=(N_, N_))
+    x = torch.randn(N_, 32, generator=_gen())
+    data = tuple(
+        t.clone() if isinstance(t, torch.Tensor) else t
+        for t in bsrkit.bsr_scatter_mm_indices_data(old, x, fmt)
+    )
+    other = bsrkit.bsr_scatter_mm_indices_data(new, x, fmt)
+    pairs = [(m, t) for m, t in zip(data[1:], other[1:], strict=True) if isinstance(m, torch.Tensor)]
+    real = planning.cpu_scatter_plan
+
+    def plan_while_written(*args: Any, **kwargs: Any) -> Any:
+        kept = [m.clone() for m, _ in pairs]
+        for mine, theirs in pairs:
+            mine.copy_(theirs)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            for (mine, _), k in zip(pairs, kept, strict=True):
+                mine.copy_(k)
+
+    monkeypatch.setattr(planning, "cpu_scatter_plan", plan_while_written)
+    bsrkit.cache_clear()
+    for _ in range(2):
+        assert_close(bsrkit.bsr_scatter_mm(new, x, indices_data=data), reference.bsr_dense_mm(old, x), k=N_)
+
+
 @pytest.mark.parametrize("write", ["numpy", "original_rebuilt_bsr"])
 def test_the_pattern_written_back_is_right_again(backend, write):
     w = _weight(_float_values())

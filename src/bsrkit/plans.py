@@ -159,22 +159,28 @@ def check_pattern(source: Source, block_rows: int, block_cols: int, nnz: int) ->
 
 def check_indices_data(
     indices_data: tuple[Any, ...], P: int, Ms: int, Ks: int, others: tuple[int, ...], acc: tuple[int, ...]
-) -> None:
+) -> tuple[Any, ...]:
     """Raise :class:`MalformedPatternError` unless ``indices_data`` keeps every ``scatter_mm`` access
     inside blocks ``(P, Ms, Ks)``, ``others`` and ``accumulators`` of these shapes (see
-    :func:`bsrkit.validation.indices_data_defect`); the verdict is cached on the index tensors."""
+    :func:`bsrkit.validation.indices_data_defect`); the verdict is cached on the index tensors.
+
+    Returns the indices data that was judged: where the verdict is cached, the same items with its index
+    tensors replaced by the copies the check read (kept with the verdict, so a kernel that runs on them
+    runs on exactly the validated bytes, whatever writes the caller's tensors meanwhile); else
+    ``indices_data`` itself."""
     tensors = tuple(t for t in indices_data[1:] if isinstance(t, torch.Tensor))
     if len(tensors) != len(indices_data) - 1 - isinstance(indices_data[-1], dict) or any(
         t.is_inference() for t in tensors
     ):  # not tensors (the checker names what is wrong), or no version counter to key on: check now
         _build_check_indices(indices_data, P, Ms, Ks, others, acc)
-        return
+        return indices_data
     meta = indices_data[-1] if isinstance(indices_data[-1], dict) else {}
     split_n = 0 if indices_data[0] == "scatter_mm" else meta.get("SPLIT_N")
     if not isinstance(split_n, int) or isinstance(split_n, bool):
         _build_check_indices(indices_data, P, Ms, Ks, others, acc)  # raises: a malformed meta
-        return
-    _plan("check_indices", indices_data[0], tensors, split_n, P, Ms, Ks, tuple(others), tuple(acc))
+        return indices_data
+    judged = _plan("check_indices", indices_data[0], tensors, split_n, P, Ms, Ks, tuple(others), tuple(acc))
+    return (indices_data[0], *judged, *indices_data[1 + len(tensors) :])
 
 
 def transpose_plan(source: Source, block_cols: int) -> TransposePlan:
@@ -211,9 +217,13 @@ def _build_check_indices(indices_data: tuple[Any, ...], *extents: Any) -> bool:
     return True
 
 
-def _check_indices_from_key(fmt: str, tensors: tuple[torch.Tensor, ...], split_n: int, *extents: Any) -> bool:
+def _check_indices_from_key(
+    fmt: str, tensors: tuple[torch.Tensor, ...], split_n: int, *extents: Any
+) -> tuple[torch.Tensor, ...]:
+    # (tensors: the cache's copies, which the verdict keeps and check_indices_data hands on)
     meta = () if fmt == "scatter_mm" else ({"SPLIT_N": split_n},)
-    return _build_check_indices((fmt, *tensors, *meta), *extents)
+    _build_check_indices((fmt, *tensors, *meta), *extents)
+    return tensors
 
 
 def _build_rows(source: Source) -> torch.Tensor:

@@ -194,9 +194,14 @@ def _run_scatter(
     """Check ``indices_data`` against the operands' (logical) shapes once, then one backend call."""
     _, Ms, Ks = blocks.shape
     try:  # once per indices data: every offset stays inside the operands
-        plans.check_indices_data(indices_data, blocks.shape[0], Ms, Ks, others_shape, acc_shape)
+        judged = plans.check_indices_data(indices_data, blocks.shape[0], Ms, Ks, others_shape, acc_shape)
     except plans.MalformedPatternError as exc:
         raise ValueError(f"{op}(): malformed indices_data: {exc}") from None
+    if blocks.device.type == "cpu":
+        # The kernels run on the bytes that were validated (a write racing this call cannot steer an
+        # access). On a device, the live tensors: there the verdict is not compared on a hit by default
+        # (see bsrkit.freshness), and a copy taken then would be served after writes no counter saw.
+        indices_data = judged
     backend = dispatch.select(op, "scatter_mm", blocks.device, blocks.dtype)
     dispatch.scatter_mm(op, backend, blocks, others, indices_data, accumulators, overwrite)
 
