@@ -361,6 +361,33 @@ def test_indices_data_written_between_the_check_and_the_kernel_plan_are_not_run(
         assert_close(bsrkit.bsr_scatter_mm(new, x, indices_data=data), reference.bsr_dense_mm(old, x), k=N_)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+def test_a_write_racing_a_product_on_the_cpu_does_not_steer_its_kernel(backend, monkeypatch):
+    """The torch backend and Triton (in its interpreter) read the pattern's indices in the kernel. On the
+    CPU they read the validated copy: another pattern written into the live memory after the check and
+    put back after the kernel changes nothing (before, the kernel ran on the other pattern)."""
+    import importlib
+
+    module = importlib.import_module(
+        "bsrkit.backends.torch_ops" if backend == "torch" else "bsrkit.backends.triton"
+    )
+    w = _weight(_float_values())
+    x = torch.randn(N_, 24, generator=_gen())
+    real = module.flatten_addmm
+
+    def flatten_while_written(*args: Any, **kwargs: Any) -> Any:
+        w.col.numpy()[:] = NEW_COL
+        try:
+            flat = real(*args, **kwargs)
+            return (*flat[:1], flat[1].clone(), *flat[2:])  # (the col the kernel reads, as it was now)
+        finally:
+            w.col.numpy()[:] = OLD_COL
+
+    monkeypatch.setattr(module, "flatten_addmm", flatten_while_written)
+    for _ in range(2):
+        assert_close(bsrkit.bsr_dense_mm(w.bsr, x), reference.bsr_dense_mm(w.bsr, x), k=N_)
+
+
 @pytest.mark.parametrize("write", ["numpy", "original_rebuilt_bsr"])
 def test_the_pattern_written_back_is_right_again(backend, write):
     w = _weight(_float_values())

@@ -40,6 +40,20 @@ class Operand(NamedTuple):
     def nnz(self) -> int:
         return self.values.shape[-3]
 
+    def kernel_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(crow, col)`` for a kernel to read. On the CPU, those of the validated pattern's copy
+        (``pattern.source``, see :class:`bsrkit.plans.Pattern`): a write racing the product cannot steer
+        an access. Elsewhere, and for a transposed operand (its indices are its plan's copies already),
+        ``crow`` and ``col``: on a device a hit does not compare the index data by default (see
+        :mod:`bsrkit.freshness`), so the kernels read the live tensors, which are never stale."""
+        pattern = self.pattern
+        if pattern is None or self.transposed_block_cols or self.crow.device.type != "cpu":
+            return self.crow, self.col
+        source = pattern.source
+        if isinstance(source, torch.Tensor):
+            return source.crow_indices(), source.col_indices()
+        return source[0], source[1]
+
     @classmethod
     def of(cls, bsr: torch.Tensor, op: str = "bsrkit", name: str = "bsr") -> Operand:
         """The operand of a BSR tensor, its pattern validated (once per pattern: see

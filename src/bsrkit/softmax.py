@@ -59,7 +59,8 @@ def bsr_softmax(input: torch.Tensor, max_row_nnz: int | None = None) -> torch.Te
         y = BsrSoftmax.apply(values, backend, a._replace(values=a.values.detach()))
     else:
         y = dispatch.softmax(backend, a, values)
-    return torch.sparse_bsr_tensor(a.crow.clone(), a.col.clone(), y, size=input.shape, check_invariants=False)
+    crow, col = a.kernel_indices()  # (the pattern the softmax ran on)
+    return torch.sparse_bsr_tensor(crow.clone(), col.clone(), y, size=input.shape, check_invariants=False)
 
 
 class BsrSoftmax(torch.autograd.Function):

@@ -34,8 +34,9 @@ def flatten_addmm(
     """(crow, col, values, dense, out) with the batch flattened to one dim, and whether ``out`` had to
     be copied (see :func:`as_3d`)."""
     B, M, K, N = math.prod(batch), a.M, a.K, dense.shape[-1]
-    crow = a.crow.expand(*batch, a.crow.shape[-1]).reshape(B, a.crow.shape[-1])
-    col = a.col.expand(*batch, a.nnz).reshape(B, a.nnz)
+    crow, col = a.kernel_indices()
+    crow = crow.expand(*batch, crow.shape[-1]).reshape(B, crow.shape[-1])
+    col = col.expand(*batch, a.nnz).reshape(B, a.nnz)
     values = a.values.expand(*batch, *a.values.shape[-3:]).reshape(B, *a.values.shape[-3:])
     dense3 = dense.expand(*batch, K, N).reshape(B, K, N)
     out3, copied = as_3d(out, (B, M, N))
@@ -68,7 +69,7 @@ def block_coordinates(a: Operand, batch: torch.Size) -> tuple[torch.Tensor, torc
     nb = math.prod(batch)
     nnz = a.nnz
     rows_b = rows.reshape(*a.batch, nnz).expand(*batch, nnz).reshape(nb, nnz)
-    cols_b = a.col.to(torch.int64).expand(*batch, nnz).reshape(nb, nnz)
+    cols_b = a.kernel_indices()[1].to(torch.int64).expand(*batch, nnz).reshape(nb, nnz)
     return rows_b, cols_b
 
 

@@ -192,7 +192,7 @@ class TritonBackend:
         nnz, Ms, Ns = x.shape[-3:]
         x4 = x.reshape(-1, nnz, Ms, Ns)
         bias4 = None if bias is None else bias.expand(x.shape).reshape(x4.shape)
-        crow = a.crow.reshape(x4.shape[0], -1)
+        crow = a.kernel_indices()[0].reshape(x4.shape[0], -1)
         return softmax_kernels.softmax_blocks(crow, x4, bias4, zero_empty_rows).reshape(x.shape)
 
     def softmax_backward(self, a: Operand, y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -201,7 +201,7 @@ class TritonBackend:
         nnz, Ms, Ns = y.shape[-3:]
         y4 = y.reshape(-1, nnz, Ms, Ns)
         g4 = grad.expand(y.shape).reshape(y4.shape)
-        crow = a.crow.reshape(y4.shape[0], -1)
+        crow = a.kernel_indices()[0].reshape(y4.shape[0], -1)
         return softmax_kernels.softmax_backward_blocks(crow, y4, g4).reshape(y.shape)
 
     def attention_forward(

@@ -165,8 +165,9 @@ def forward(
     nnz = a.nnz
     if B * MB == 0:
         return out.reshape(*batch, L, Ev), lse.reshape(*batch, L)
-    crow = a.crow.reshape(B, MB + 1)
-    col = a.col.reshape(B, nnz)
+    crow, col = a.kernel_indices()
+    crow = crow.reshape(B, MB + 1)
+    col = col.reshape(B, nnz)
     index = bias.block_index.reshape(-1, nnz)
     batch_map = torch.tensor(bsr_batch_of(bias.batch, batch), device=query.device)  # (a copy: may be a view)
     bias_values = bias.values.to(torch.float32)
