@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 
 import torch
 
 import bsrkit
+from bsrkit.benchmarking import seconds_per_call
 from bsrkit.nn import BSRLinear
 
 warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta state")
 warnings.filterwarnings("ignore", category=bsrkit.tuning.TuningWarning)
-
-
-def per_call(fn: object, calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()  # type: ignore[operator]
-    return (time.perf_counter() - t0) / calls
 
 
 def main() -> int:
@@ -76,12 +69,12 @@ def main() -> int:
                 for _ in range(3):
                     fn()
                 c = 1
-                while per_call(fn, c) * c < 0.02:
+                while seconds_per_call(fn, c) * c < 0.02:
                     c *= 2
                 calls[name] = c
             for _ in range(args.rounds):
                 for name, fn in methods.items():
-                    times[name].append(per_call(fn, calls[name]))
+                    times[name].append(seconds_per_call(fn, calls[name]))
         med = {name: statistics.median(t) * 1e6 for name, t in times.items()}
         row = " ".join(f"{med[c]:>12.1f}" if c in med else f"{'-':>12}" for c in cols)
         extra = f"{med['layer'] - med['bsr_dense_mm']:+.1f}, {med['layer nb'] - med['bsr_dense_mm']:+.1f}"

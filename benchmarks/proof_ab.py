@@ -15,23 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 import warnings
 
 import torch
 
 import bsrkit
-from bsrkit.benchmarking import random_bsr_weight
+from bsrkit.benchmarking import random_bsr_weight, seconds_per_call
 from bsrkit.operand import Operand
 
+US = 1e6  # (µs per second)
+
 warnings.filterwarnings("ignore")
-
-
-def per_call(fn: object, calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()  # type: ignore[operator]
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> int:
@@ -66,7 +60,7 @@ def main() -> int:
                     rerun.proves = mode == "loop"
                     if mode == "none":
                         os.environ["BSRKIT_CHECK_PLANS"] = "0"
-                    t.append(per_call(product, args.calls))
+                    t.append(US * seconds_per_call(product, args.calls))
                     os.environ.pop("BSRKIT_CHECK_PLANS", None)
         finally:
             rerun.proves = True

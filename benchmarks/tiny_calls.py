@@ -11,22 +11,16 @@ three methods interleaved round by round, so that they share the machine's load)
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 
 import torch
 
 import bsrkit
-from bsrkit.benchmarking import random_bsr_weight
+from bsrkit.benchmarking import random_bsr_weight, seconds_per_call
+
+US = 1e6  # (µs per second)
 
 warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta state")
-
-
-def per_call_us(fn: object, calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()  # type: ignore[operator]
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:
@@ -69,7 +63,7 @@ def main() -> None:
             best = dict.fromkeys(methods, float("inf"))
             for _ in range(args.rounds):
                 for name, fn in methods.items():
-                    best[name] = min(best[name], per_call_us(fn, calls))
+                    best[name] = min(best[name], US * seconds_per_call(fn, calls))
             ours, ours_out, nat, den = best["bsrkit"], best["out="], best["native"], best["dense"]
             print(
                 f"{n:>5} {bs:>3} {bsr._nnz():>4} | {ours:>8.1f} {ours_out:>8.1f} {nat:>8.1f} {den:>8.1f} | "

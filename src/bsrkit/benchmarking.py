@@ -22,6 +22,14 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
+    """Mean seconds per call of ``fn`` over ``calls`` back-to-back calls (one timed loop)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
 def _rss_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:

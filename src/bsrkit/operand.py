@@ -41,18 +41,22 @@ class Operand(NamedTuple):
         return self.values.shape[-3]
 
     def kernel_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(crow, col)`` for a kernel to read. On the CPU, those of the validated pattern's copy
-        (``pattern.source``, see :class:`bsrkit.plans.Pattern`): a write racing the product cannot steer
+        """``(crow, col)`` for a kernel to read. On the CPU, the validated pattern's copy
+        (``pattern.indices``, see :class:`bsrkit.plans.Pattern`): a write racing the product cannot steer
         an access. Elsewhere, and for a transposed operand (its indices are its plan's copies already),
         ``crow`` and ``col``: on a device a hit does not compare the index data by default (see
         :mod:`bsrkit.freshness`), so the kernels read the live tensors, which are never stale."""
         pattern = self.pattern
         if pattern is None or self.transposed_block_cols or self.crow.device.type != "cpu":
             return self.crow, self.col
-        source = pattern.source
-        if isinstance(source, torch.Tensor):
-            return source.crow_indices(), source.col_indices()
-        return source[0], source[1]
+        return pattern.indices
+
+    def plan(self, name: str, *params: Any) -> Any:
+        """The plan ``name`` of this operand's pattern: derived from its validated bytes and kept on it
+        (:meth:`bsrkit.plans.Pattern.plan`); from the shared cache on ``source`` without a pattern."""
+        if self.pattern is not None:
+            return self.pattern.plan(name, *params)
+        return plans.cached(name, self.source, *params)
 
     @classmethod
     def of(cls, bsr: torch.Tensor, op: str = "bsrkit", name: str = "bsr") -> Operand:
@@ -107,12 +111,7 @@ class Operand(NamedTuple):
     def transposed(self) -> Operand:
         """The operand of ``bsr.mT``: the plan maps its blocks to the original's; no dense transpose."""
         Ks = self.values.shape[-1]
-        block_cols = self.K // Ks if Ks else 0
-        t = (
-            self.pattern.plan("transpose", block_cols)
-            if self.pattern is not None
-            else plans.transpose_plan(self.source, block_cols)
-        )
+        t = self.plan("transpose", self.K // Ks if Ks else 0)
         batch = self.batch
         if self.values.stride(-3) == 0 or self.nnz <= 1:
             # Every block the same (expanded values): any order of them is this view itself; a gather

@@ -116,20 +116,22 @@ class MalformedPatternError(ValueError):
 class Pattern:
     """A validated pattern (what :func:`check_pattern` returns), and what hangs on it.
 
-    ``proof`` is the snapshot of the index data it was judged on, and ``source`` the source rebuilt on
-    that snapshot's copy, which the check read: the plans a product runs on are derived from it
-    (:meth:`plan`), so they are plans of exactly the validated bytes, whatever writes the memory
-    meanwhile. ``calls`` holds the prepared kernel calls of :mod:`bsrkit.shortcuts` (which that module
-    alone reads and writes); the shortcuts that skip the cache trust all of it only while ``proof`` holds.
+    ``proof`` is the snapshot of the index data it was judged on, ``source`` the source rebuilt on that
+    snapshot's copy, which the check read, and ``indices`` its ``(crow, col)``: the plans a product runs
+    on are derived from it (:meth:`plan`), so they are plans of exactly the validated bytes, whatever
+    writes the memory meanwhile. ``calls`` holds the prepared kernel calls of :mod:`bsrkit.shortcuts`
+    (which that module alone reads and writes); the shortcuts that skip the cache trust all of it only
+    while ``proof`` holds.
     It lives in the plan cache's entry: with the pattern's memory, until the index data changes."""
 
-    __slots__ = ("calls", "plans", "proof", "source")
+    __slots__ = ("calls", "indices", "plans", "proof", "source")
 
-    def __init__(self, proof: Snapshot, source: Source) -> None:
+    def __init__(self, proof: Snapshot, source: Source, indices: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.plans: dict[tuple[Any, ...], Any] = {}
         self.calls: dict[tuple[Any, ...], Any] = {}
         self.proof = proof
         self.source = source  # (on the copy in proof: holds no view of the pattern's memory)
+        self.indices = indices
 
     def plan(self, name: str, *params: Any) -> Any:
         """The plan ``name`` (see :func:`register`) with ``params`` of the validated bytes, built on the
@@ -192,22 +194,29 @@ def block_rows(source: Source) -> torch.Tensor:
     return _plan("rows", source)
 
 
-def indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
-    """(crow, col) of a source, flattened to (batches, -1), int64."""
+def source_indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (crow, col) tensors of a source, as they are (see ``Source``)."""
     if isinstance(source, TensorKey):
         source = source.obj
-    crow, col = (source.crow_indices(), source.col_indices()) if isinstance(source, torch.Tensor) else source
+    if isinstance(source, torch.Tensor):
+        return source.crow_indices(), source.col_indices()
+    return source[0], source[1]
+
+
+def indices(source: Source) -> tuple[torch.Tensor, torch.Tensor]:
+    """(crow, col) of a source, flattened to (batches, -1), int64."""
+    crow, col = source_indices(source)
     crow2 = crow.reshape(-1, crow.shape[-1]).to(torch.int64)
     return crow2, col.reshape(crow2.shape[0], col.shape[-1]).to(torch.int64)
 
 
 def _build_check(source: Source, block_rows: int, block_cols: int, nnz: int, *, proof: Snapshot) -> Pattern:
     # (source: rebuilt on the copy in proof, which the cache took before this runs)
-    crow, col = (source.crow_indices(), source.col_indices()) if isinstance(source, torch.Tensor) else source
+    crow, col = source_indices(source)
     defect = pattern_defect(crow, col, block_rows, block_cols, nnz)
     if defect is not None:
         raise MalformedPatternError(defect)
-    return Pattern(proof, source)
+    return Pattern(proof, source, (crow, col))
 
 
 def _build_check_indices(indices_data: tuple[Any, ...], *extents: Any) -> bool:

@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from bsrkit import plans
-
 if TYPE_CHECKING:
     from bsrkit.operand import Operand
 
@@ -65,7 +63,7 @@ def flatten_scatter_stacks(
 
 def block_coordinates(a: Operand, batch: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
     """(block rows, block columns) of ``a``'s stored blocks, each ``(prod(batch), nnz)`` int64."""
-    rows = a.pattern.plan("rows") if a.pattern is not None else plans.block_rows(a.source)  # (Bb, nnz)
+    rows = a.plan("rows")  # (Bb, nnz)
     nb = math.prod(batch)
     nnz = a.nnz
     rows_b = rows.reshape(*a.batch, nnz).expand(*batch, nnz).reshape(nb, nnz)
