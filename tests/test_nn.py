@@ -401,6 +401,68 @@ def test_no_grad_path_follows_every_change_of_the_layer():
         assert_close(layer(x), 2 * (_dense_twin(other)(x) - other.bias) + other.bias, k=16)
 
 
+def _write_another_pattern_in_place(layer: BSRLinear) -> None:
+    """Move each block to the next free column of its row (if any), writing ``col_indices`` through numpy:
+    no version counter sees it."""
+    rows, cols = layer.out_features // layer.blocksize[0], layer.in_features // layer.blocksize[1]
+    col = layer.col_indices.numpy()
+    row_of = torch.repeat_interleave(torch.arange(rows), layer.crow_indices.diff()).numpy()
+    mask = torch.zeros(rows, cols, dtype=torch.bool)
+    mask[row_of, col] = True
+    kept = [(r, c) for r in range(rows) for c in range(cols) if mask[r, c]]
+    moved = sorted((r, (c + 1) % cols) if not mask[r, (c + 1) % cols] else (r, c) for r, c in kept)
+    before = col.copy()
+    col[:] = [c for _, c in moved]
+    assert (col != before).any()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_repeated_no_grad_call_reruns_its_prepared_call_directly_and_stays_right(monkeypatch, bias):
+    """From the third call of one input layout on, the no-grad forward reruns the prepared call by data
+    addresses (dispatch.rerun_weight_call), not through rerun_prepared, and its loop proves the pattern;
+    a pattern written in place, an input of another layout or thread count, and new tuning state each
+    leave that path and stay right."""
+    from bsrkit import dispatch, tuning
+
+    layer = BSRLinear(64, 32, 8, bias=bias, density=0.5, generator=torch.Generator().manual_seed(5))
+    through = []
+    real = dispatch.rerun_prepared
+    monkeypatch.setattr(dispatch, "rerun_prepared", lambda *a: through.append(1) or real(*a))
+
+    def right(x):
+        assert_close(layer(x), _dense_twin(layer)(x), k=64)
+
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        for _ in range(3):  # (checks, prepares, finds the prepared call)
+            right(torch.randn(1, 64))
+        calls, proofs = len(through), bsrkit.shortcut_info().loop_proofs
+        for _ in range(3):
+            right(torch.randn(1, 64))
+        assert len(through) == calls  # (rerun directly)
+        assert bsrkit.shortcut_info().loop_proofs == proofs + 3  # (each proving the pattern in its loop)
+        _write_another_pattern_in_place(layer)
+        stale = bsrkit.shortcut_info().loop_stale
+        right(x)
+        assert bsrkit.shortcut_info().loop_stale == stale + 1  # (the direct rerun's loop found it)
+        for _ in range(3):
+            right(torch.randn(1, 64))
+        wide = torch.randn(2, 65)
+        for _ in range(3):
+            right(wide[1:, 1:])  # (another layout: an offset view)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1 if threads > 1 else 2)
+            for _ in range(3):
+                right(x)
+        finally:
+            torch.set_num_threads(threads)
+        calls = len(through)
+        monkeypatch.setattr(tuning, "resolve_state", lambda: ({}, set()))
+        right(x)
+        assert len(through) > calls  # (new tuning state: not rerun directly)
+
+
 def test_frozen_weights_take_the_no_grad_path_and_input_grads_still_flow():
     layer = BSRLinear(16, 8, 4, density=0.5, generator=torch.Generator().manual_seed(4)).requires_grad_(False)
     before = bsrkit.shortcut_info().weight_hits

@@ -41,28 +41,31 @@ def linear_product(
 
     The kernel writes :math:`y^T = W x^T` into the transposed view of a row-major ``y``: ``x^T`` is a
     column-major view, read without a copy, and the output has the layout every later op expects."""
-    weight, checked_calls = shortcuts.kept_weight(crow, col, values, (M, K))
+    weight, calls = shortcuts.kept_weight(crow, col, values, (M, K))
     y = x.new_empty((x.shape[0], K if transposed else M))
-    dense, out = x.mT, y.mT
-    # What the checks of this product depend on beyond the kept weight's own (fixed) metadata.
-    signature = (x.shape, x.dtype, x.device, x.requires_grad, transposed, torch.is_grad_enabled(),
-                 dispatch.forced_backend())  # fmt: skip
-    checked = checked_calls.get(signature)
+    # What the checks and the prepared call of this product depend on beyond the kept weight's own (fixed)
+    # metadata: x's whole layout (y is new and row-major: its layout is x's shape's) and the thread count.
+    signature = (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, x.requires_grad, transposed,
+                 torch.is_grad_enabled(), dispatch.forced_backend(), torch.get_num_threads())  # fmt: skip
+    call = calls.get(signature)
     a, done = None, False
-    if checked is not None and not transposed and y.numel():
+    if call is not None and not transposed and y.numel():
         # A kept operand with the cheap half of its proof; the rerun's loop (or rerun_prepared) proves the
         # rest before anything derived from the index data is used (see bsrkit.shortcuts).
         unproven = check_mode()[0]
         a = shortcuts.kept_operand(weight, compare=unproven)
         if a is not None:
             try:
-                done = dispatch.rerun_prepared(a, checked, dense, out, unproven)
+                done = dispatch.rerun_weight_call(a, call, x, y, unproven)
             except shortcuts.StalePattern:  # (changed index data: rebuilt and revalidated below)
+                call.remember(None, None, None)
                 shortcuts.forget_operand(weight, a)
                 a = None
     if not done:
         if a is None:
             a = Operand.of(weight, _OP, "weight")  # (validates the pattern once; errors name the weight)
+        checked = None if call is None else call.checked
+        dense, out = x.mT, y.mT
         ops.checked_addmm(
             _OP, None, weight, dense, beta=0.0, alpha=1.0, out=out, meta=None, transpose=transposed,
             checked=checked, operand=a,
@@ -70,7 +73,7 @@ def linear_product(
         if checked is None:
             checked = ops.checked_call(_OP, transposed, weight, dense, out)
             if checked is not None:
-                shortcuts.keep_weight_call(checked_calls, signature, checked)
+                shortcuts.keep_weight_call(calls, signature, checked)
     if bias is not None:
         y += bias
     return y

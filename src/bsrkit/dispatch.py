@@ -22,6 +22,7 @@ __all__ = [
     "addmm",
     "forced_backend",
     "rerun_prepared",
+    "rerun_weight_call",
     "sampled",
     "scatter_mm",
     "select",
@@ -202,6 +203,36 @@ def rerun_prepared(
     if rerun is None:
         return False
     rerun(a.values, dense, out)
+    return True
+
+
+def rerun_weight_call(
+    a: Operand, call: shortcuts.WeightCall, x: torch.Tensor, y: torch.Tensor, unproven: bool
+) -> bool:
+    """``y^T = a @ x^T`` for a kept weight's product (:func:`bsrkit.custom_ops.linear_product`: ``y`` new
+    and row-major, ``call`` kept under a key that holds ``x``'s and ``y``'s layouts and the thread count,
+    everything :func:`_fast_key` reads) by :func:`rerun_prepared`; False, computing nothing, when it has
+    no prepared call. Once a prepared call whose loop proves the index data ran, ``call`` remembers it
+    with ``a`` and the tuning state, and later calls with the same (kept) operand and tuning state rerun
+    it at once, by data addresses where it takes them (``rerun.at``): no key, no lookup, no transposed
+    views. Raises
+    :class:`~bsrkit.shortcuts.StalePattern` as :func:`rerun_prepared`."""
+    state = tuning.resolve_state()
+    known = call.tuning_state
+    if unproven and call.operand is a and known is not None and known[0] is state[0] and known[1] is state[1]:
+        at = getattr(call.rerun, "at", None)
+        if at is not None:
+            shortcuts.proven_in_loop(at(a.values.data_ptr(), x.data_ptr(), y.data_ptr(), True))
+        else:  # (a call that fills a copy of dense from the tensor)
+            shortcuts.proven_in_loop(call.rerun(a.values, x.mT, y.mT, True))
+        return True
+    call.remember(None, None, None)
+    dense, out = x.mT, y.mT
+    if not rerun_prepared(a, call.checked, dense, out, unproven):
+        return False
+    rerun = shortcuts.prepared_call(a, _fast_key(call.checked, dense, out), call.checked, state)
+    if rerun is not None and rerun.proves:
+        call.remember(a, rerun, state)
     return True
 
 

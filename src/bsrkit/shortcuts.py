@@ -19,7 +19,10 @@ such a call skip work an earlier call did:
    they never keep them.
 4. **Kept weights** (:func:`kept_weight`): a layer's weight given as parts (``crow``, ``col``,
    ``values``: :class:`bsrkit.nn.BSRLinear`, the custom ops) maps to one BSR wrapper of them, so that its
-   products take the three shortcuts above instead of building a wrapper and a plan key per call.
+   products take the three shortcuts above instead of building a wrapper and a plan key per call. Its
+   products are kept by the input's whole layout (:class:`WeightCall`): the checked call, and the
+   prepared call last run with the kept operand, which a call of the same layout with the same operand
+   and tuning state reruns by data addresses (:func:`bsrkit.dispatch.rerun_weight_call`).
 
 **The one rule every hit obeys**: a hit is served only when everything the skipped work read is provably
 what it was when the entry was made:
@@ -38,6 +41,9 @@ what it was when the entry was made:
   and the product is recomputed on the rebuilt pattern (:func:`forget_operand`, see
   :func:`bsrkit.ops.checked_addmm`);
 - tuning state, by identity of the table and warnings that chose the parameters;
+- a weight call's direct rerun, by identity of the kept operand it was prepared on and of the tuning
+  state, under a key that holds every layout the prepared call's own key is made of; only a call whose
+  loop proves the index data is rerun so (the deferred proof above);
 - a kept weight, by identity of the three part objects and equality of their data addresses, shapes,
   strides, dtypes and devices (what ``.data =``, ``set_`` or ``resize_`` would change); their contents are
   the wrapper's members' and so proven as above (values are data, never part of a plan).
@@ -73,6 +79,7 @@ __all__ = [
     "CheckedCall",
     "ShortcutInfo",
     "StalePattern",
+    "WeightCall",
     "cache_clear",
     "checked_call",
     "clear",
@@ -105,6 +112,24 @@ class CheckedCall(NamedTuple):
     K: int
     out_numel: int
     like_dense: int  # 0: out is allocated on its own; else like dense (see bsrkit.ops)
+
+
+class WeightCall:
+    """A kept weight's product with inputs of one layout (the key in :func:`kept_weight`'s table): its
+    checked call and, once a prepared call that proves in its loop ran it, that call (``rerun``) with the
+    kept operand and the tuning state it was prepared for. Holds no tensor: the operand holds aliases of
+    the kept wrapper's members, which the same table entry holds anyway."""
+
+    __slots__ = ("checked", "operand", "rerun", "tuning_state")
+
+    def __init__(self, checked: CheckedCall) -> None:
+        self.checked = checked
+        self.operand: Operand | None = None
+        self.rerun: Any = None
+        self.tuning_state: tuple[Any, Any] | None = None
+
+    def remember(self, operand: Operand | None, rerun: Any, tuning_state: tuple[Any, Any] | None) -> None:
+        self.operand, self.rerun, self.tuning_state = operand, rerun, tuning_state
 
 
 class ShortcutInfo(NamedTuple):
@@ -236,12 +261,12 @@ def _layouts(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor) -> tup
 
 def kept_weight(
     crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]
-) -> tuple[Any, dict[Any, CheckedCall]]:
+) -> tuple[Any, dict[Any, WeightCall]]:
     """The BSR tensor of shape ``size`` made of these parts (``values`` detached), kept while the three
     are the same objects with the same layouts (see the module's docstring); a new one otherwise. It is
     not validated here: its products validate its pattern (once per pattern). With it, a table of its
-    products' checked calls for the caller to fill (keyed by the other operands' metadata: the weight's
-    is fixed while it is kept), at most :data:`CALLS_PER_PATTERN` (:func:`keep_weight_call`)."""
+    products (:class:`WeightCall`) for the caller to fill, keyed by the other operands' layouts (the
+    weight's is fixed while it is kept), at most :data:`CALLS_PER_PATTERN` (:func:`keep_weight_call`)."""
     layouts = _layouts(crow, col, values)
     seen = _weights.get(id(values))
     if (
@@ -255,7 +280,7 @@ def kept_weight(
         _counts[7] += 1
         return seen[4], seen[5]
     bsr = torch.sparse_bsr_tensor(crow, col, values.detach(), size=size, check_invariants=False)
-    calls: dict[Any, CheckedCall] = {}
+    calls: dict[Any, WeightCall] = {}
     if not values.is_inference():  # (an inference tensor takes no weak reference)
         forget = functools.partial(_weights.pop, id(values))  # called as pop(id, ref): see keep_operand
         # (crow and col held as objects: the layer's buffers, alive as long as it is)
@@ -263,11 +288,11 @@ def kept_weight(
     return bsr, calls
 
 
-def keep_weight_call(calls: dict[Any, CheckedCall], key: tuple[Any, ...], checked: CheckedCall) -> None:
+def keep_weight_call(calls: dict[Any, WeightCall], key: tuple[Any, ...], checked: CheckedCall) -> None:
     """Keep ``checked`` in a kept weight's table (:func:`kept_weight`)."""
     if len(calls) >= CALLS_PER_PATTERN:
         calls.clear()
-    calls[key] = checked
+    calls[key] = WeightCall(checked)
 
 
 # -- prepared calls ---------------------------------------------------------------------------------------

@@ -60,56 +60,75 @@ def prepared(
     flag = memoryview(proof) if proof is not None and full_args.crow_live != 0 else None
     proves = flag is not None
     rerun: Rerun
-    if full_args.nthreads == 1:
+    # ``at(values address, dense address, out address, prove)``: the call by data addresses, for a caller
+    # that has them without the tensors (the layer's direct rerun); None where each call fills a copy of
+    # dense, which needs the tensor.
+    at: Callable[..., int] | None = None
+    d_at = 0 if dense_at is None else dense_at
+    nthreads = full_args.nthreads
+    if fill is None and nthreads == 1:
         block = kernel.serial.pack(full_args)
         c_call, address = kernel.serial.c_call, block.ctypes.data
 
-        if flag is not None and dense_at is not None:  # (the common decode call: fewest branches)
+        if flag is not None:  # (the common decode call: fewest branches)
 
-            def rerun(
-                values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, prove: bool = False
-            ) -> int:
-                a_addr, b_addr = values.data_ptr() - values_at, dense.data_ptr() - dense_at
-                c_addr = out.data_ptr() - out_offset
+            def at(a_addr: int, b_addr: int, c_addr: int, prove: bool = False) -> int:
                 with KERNEL_LOCK:
                     flag[0] = prove
-                    c_call(address, a_addr, b_addr, c_addr)
+                    c_call(address, a_addr - values_at, b_addr - d_at, c_addr - out_offset)
                     return flag[1]
 
         else:
 
-            def rerun(
-                values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, prove: bool = False
-            ) -> int:
-                a_addr, c_addr = values.data_ptr() - values_at, out.data_ptr() - out_offset
+            def at(a_addr: int, b_addr: int, c_addr: int, prove: bool = False) -> int:
                 with KERNEL_LOCK:
-                    if fill is not None:
-                        fill(dense)
-                    if flag is not None:
-                        flag[0] = prove
-                    c_call(
-                        address, a_addr, b_addr if dense_at is None else dense.data_ptr() - dense_at, c_addr
-                    )
-                    return 0 if flag is None else flag[1]
+                    c_call(address, a_addr - values_at, b_addr - d_at, c_addr - out_offset)
+                    return 0
 
-        rerun.keep = (block, full_args)  # type: ignore[attr-defined]  # (what the block addresses)
+        at.keep = (block, full_args)  # type: ignore[attr-defined]  # (what the block addresses)
 
-    else:
-        patch, run_prepared, nthreads = (
-            kernels.data_patcher(full_args),
-            kernel.run_prepared,
-            full_args.nthreads,
-        )
+    elif fill is None:
+        patch, run_prepared = kernels.data_patcher(full_args), kernel.run_prepared
+
+        def at(a_addr: int, b_addr: int, c_addr: int, prove: bool = False) -> int:
+            args = patch(a_addr - values_at, b_addr - d_at, c_addr - out_offset)
+            with KERNEL_LOCK:
+                if flag is not None:
+                    flag[0] = prove
+                set_numba_threads(nthreads)
+                run_prepared(args)
+                return 0 if flag is None else flag[1]
+
+    if at is not None:
+        at_addresses = at
 
         def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, prove: bool = False) -> int:
-            args = patch(
-                values.data_ptr() - values_at,
-                b_addr if dense_at is None else dense.data_ptr() - dense_at,
-                out.data_ptr() - out_offset,
-            )
+            return at_addresses(values.data_ptr(), dense.data_ptr(), out.data_ptr(), prove)
+
+    elif nthreads == 1:  # a serial call on a copy of dense (``fill``)
+        block = kernel.serial.pack(full_args)
+        c_call, address = kernel.serial.c_call, block.ctypes.data
+
+        def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, prove: bool = False) -> int:
+            a_addr, c_addr = values.data_ptr() - values_at, out.data_ptr() - out_offset
             with KERNEL_LOCK:
-                if fill is not None:
-                    fill(dense)
+                assert fill is not None
+                fill(dense)
+                if flag is not None:
+                    flag[0] = prove
+                c_call(address, a_addr, b_addr, c_addr)
+                return 0 if flag is None else flag[1]
+
+        rerun.keep = (block, full_args)  # type: ignore[attr-defined]
+
+    else:  # a parallel call on a copy of dense
+        patch, run_prepared = kernels.data_patcher(full_args), kernel.run_prepared
+
+        def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, prove: bool = False) -> int:
+            args = patch(values.data_ptr() - values_at, b_addr, out.data_ptr() - out_offset)
+            with KERNEL_LOCK:
+                assert fill is not None
+                fill(dense)
                 if flag is not None:
                     flag[0] = prove
                 set_numba_threads(nthreads)
@@ -117,6 +136,7 @@ def prepared(
                 return 0 if flag is None else flag[1]
 
     rerun.proves = proves  # type: ignore[attr-defined]
+    rerun.at = at  # type: ignore[attr-defined]
     return rerun
 
 
