@@ -372,35 +372,6 @@ def test_column_major_input_and_a_view_of_a_larger_tensor():
             assert_close(layer(x), _dense_twin(layer)(x), k=16)
 
 
-def test_no_grad_path_follows_every_change_of_the_layer():
-    """The no-grad forward keeps one wrapper per weight: a new pattern written in place (numpy, unseen by
-    version counters), new buffers, a resized values tensor (``.data =``) and a loaded checkpoint of
-    another nnz are all seen by the next call."""
-    gen = torch.Generator().manual_seed(3)
-    layer = BSRLinear(16, 16, 4, density=0.5, generator=gen)
-    x = torch.randn(3, 16)
-    with torch.no_grad():
-        for _ in range(2):
-            assert_close(layer(x), _dense_twin(layer)(x), k=16)
-        col = layer.col_indices.numpy()
-        row_of = torch.repeat_interleave(torch.arange(4), layer.crow_indices.diff()).numpy()
-        # another valid pattern: each block moves to the next free column of its row, if any
-        mask = torch.zeros(4, 4, dtype=torch.bool)
-        mask[row_of, col] = True
-        new = [(r, c) for r in range(4) for c in range(4) if mask[r, c]]
-        shifted = sorted(((r, (c + 1) % 4) if not mask[r, (c + 1) % 4] else (r, c)) for r, c in new)
-        before = col.copy()
-        col[:] = [c for _, c in shifted]
-        assert (col != before).any()  # (a new pattern, unseen by any version counter)
-        assert_close(layer(x), _dense_twin(layer)(x), k=16)
-        other = BSRLinear(16, 16, 4, density=0.25, generator=gen)
-        layer.load_state_dict(other.state_dict())
-        assert layer.values.shape[0] == other.values.shape[0]
-        assert_close(layer(x), _dense_twin(other)(x), k=16)
-        layer.values.data = layer.values.data * 2
-        assert_close(layer(x), 2 * (_dense_twin(other)(x) - other.bias) + other.bias, k=16)
-
-
 def _write_another_pattern_in_place(layer: BSRLinear) -> None:
     """Move each block to the next free column of its row (if any), writing ``col_indices`` through numpy:
     no version counter sees it."""
@@ -414,6 +385,26 @@ def _write_another_pattern_in_place(layer: BSRLinear) -> None:
     before = col.copy()
     col[:] = [c for _, c in moved]
     assert (col != before).any()
+
+
+def test_no_grad_path_follows_every_change_of_the_layer():
+    """The no-grad forward keeps one wrapper per weight: a new pattern written in place (numpy, unseen by
+    version counters), new buffers, a resized values tensor (``.data =``) and a loaded checkpoint of
+    another nnz are all seen by the next call."""
+    gen = torch.Generator().manual_seed(3)
+    layer = BSRLinear(16, 16, 4, density=0.5, generator=gen)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_close(layer(x), _dense_twin(layer)(x), k=16)
+        _write_another_pattern_in_place(layer)  # (a new pattern, unseen by any version counter)
+        assert_close(layer(x), _dense_twin(layer)(x), k=16)
+        other = BSRLinear(16, 16, 4, density=0.25, generator=gen)
+        layer.load_state_dict(other.state_dict())
+        assert layer.values.shape[0] == other.values.shape[0]
+        assert_close(layer(x), _dense_twin(other)(x), k=16)
+        layer.values.data = layer.values.data * 2
+        assert_close(layer(x), 2 * (_dense_twin(other)(x) - other.bias) + other.bias, k=16)
 
 
 @pytest.mark.parametrize("bias", [True, False])

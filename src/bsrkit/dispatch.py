@@ -144,7 +144,7 @@ def addmm(
     fast = checked is not None and meta is None and overwrite and a.calls is not None
     if fast:  # (a kept operand: its values' layout is fixed)
         assert checked is not None
-        if rerun_prepared(a, checked, dense, out, unproven):
+        if rerun_prepared(a, checked, dense, out, unproven) is not None:
             return out
         unproven = False  # (proven there, whole, when no call was prepared)
         key: tuple[Any, ...] = _fast_key(checked, dense, out)
@@ -184,11 +184,12 @@ def _fast_key(checked: Any, dense: torch.Tensor, out: torch.Tensor) -> tuple[Any
 
 def rerun_prepared(
     a: Operand, checked: shortcuts.CheckedCall, dense: torch.Tensor, out: torch.Tensor, unproven: bool
-) -> bool:
+) -> Any:
     """``out = a @ dense`` by the call prepared for an earlier product like it (a kept operand ``a``, the
-    same ``checked`` call, no ``meta``, ``beta == 0``, ``alpha == 1``: see :func:`addmm`); False, computing
-    nothing, when there is none. ``unproven`` as in :func:`addmm`: ``a`` is proven here (by the loop, or
-    whole) either way, and :class:`~bsrkit.shortcuts.StalePattern` raised when it changed."""
+    same ``checked`` call, no ``meta``, ``beta == 0``, ``alpha == 1``: see :func:`addmm`); returns that
+    prepared call, or None, computing nothing, when there is none. ``unproven`` as in :func:`addmm`: ``a``
+    is proven here (by the loop, or whole) either way, and :class:`~bsrkit.shortcuts.StalePattern` raised
+    when it changed."""
     rerun = None
     if a.calls is not None:
         rerun = shortcuts.prepared_call(a, _fast_key(checked, dense, out), checked, tuning.resolve_state())
@@ -197,13 +198,13 @@ def rerun_prepared(
         # (validated) plan only, so a changed pattern steers no access; its verdict covers every entry of
         # the plan (see compiled.small.BsrMMSmallArgs).
         shortcuts.proven_in_loop(rerun(a.values, dense, out, True))
-        return True
+        return rerun
     if unproven:
         _prove(a)
     if rerun is None:
-        return False
+        return None
     rerun(a.values, dense, out)
-    return True
+    return rerun
 
 
 def rerun_weight_call(
@@ -227,13 +228,10 @@ def rerun_weight_call(
             shortcuts.proven_in_loop(call.rerun(a.values, x.mT, y.mT, True))
         return True
     call.remember(None, None, None)
-    dense, out = x.mT, y.mT
-    if not rerun_prepared(a, call.checked, dense, out, unproven):
-        return False
-    rerun = shortcuts.prepared_call(a, _fast_key(call.checked, dense, out), call.checked, state)
-    if rerun is not None and rerun.proves:
+    rerun = rerun_prepared(a, call.checked, x.mT, y.mT, unproven)
+    if rerun is not None and unproven and rerun.proves:
         call.remember(a, rerun, state)
-    return True
+    return rerun is not None
 
 
 def _prove(a: Operand | None) -> None:

@@ -62,32 +62,22 @@ def _zero_row(C, c0, c_rs, c_cs, Ms, N, zero):
 
 
 @numba.njit(nogil=True, cache=False)
-def _x_columns(X, xb, k, x_ld, pairs, Wp):
-    """X's vectors at step ``k`` of a block starting at ``xb``: columns 0 and 1 (column 0 twice when
-    ``Wp == 1``), from ``(Wp, K)`` rows ``x_ld`` apart, or from row-major ``(K, 2)`` pairs."""
-    if pairs:
-        return vload_pairs(X, xb + 2 * k)
-    x0v = vload(X, xb + k)
-    return x0v, (vload(X, xb + x_ld + k) if Wp == 2 else x0v)
-
-
-@numba.njit(nogil=True, cache=False)
-def _dot_rows_in_registers(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, N,
-                           Wp, L, alpha, overwrite, zero):  # fmt: skip
-    """:func:`_dot_row` for Wp = 2, rows outermost: four rows' partial sums (8 vectors) stay in registers
-    across all the row's blocks and are stored once. The row's part of X (blocks x Ks x Wp) is re-read per
-    group of four rows, from L1. ``pairs``: X is the row-major ``(K, 2)`` dense operand itself (``x_ld``
-    unused), each step's two columns taken from one load by shuffles. (Correct for Wp = 1 and for X in
-    rows too; :func:`_dot_row` runs those blocks outermost: see there.)"""
+def _dot_pairs_in_registers(A, a0, a_gs, a_rs, X, x0, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, L, alpha,
+                            overwrite, zero):  # fmt: skip
+    """:func:`_dot_row` for X the row-major ``(K, 2)`` dense operand itself (``DOT_PAIRS``), rows
+    outermost: each step's two columns taken from one load by shuffles, and four rows' partial sums (8
+    vectors) kept in registers across all the row's blocks, stored once. The row's part of X (blocks x Ks
+    x 2) is re-read per group of four rows, from L1. (Every other dot loop runs blocks outermost: see
+    :func:`_dot_row`.)"""
     vz = vzero(zero)
     i = 0
     while i + 4 <= Ms:
         p00 = p10 = p20 = p30 = p01 = p11 = p21 = p31 = vz
         for g in range(g0, g1):
             r = a0 + g * a_gs + i * a_rs
-            xb = x0 + cols[g] * Ks * (2 if pairs else 1)
+            xb = x0 + cols[g] * Ks * 2
             for k in range(0, Ks, L):
-                x0v, x1v = _x_columns(X, xb, k, x_ld, pairs, Wp)
+                x0v, x1v = vload_pairs(X, xb + 2 * k)
                 a0v = vload(A, r + k)
                 a1v = vload(A, r + a_rs + k)
                 a2v = vload(A, r + 2 * a_rs + k)
@@ -96,37 +86,33 @@ def _dot_rows_in_registers(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, 
                 p10 = vfma(a1v, x0v, p10)
                 p20 = vfma(a2v, x0v, p20)
                 p30 = vfma(a3v, x0v, p30)
-                if Wp == 2:
-                    p01 = vfma(a0v, x1v, p01)
-                    p11 = vfma(a1v, x1v, p11)
-                    p21 = vfma(a2v, x1v, p21)
-                    p31 = vfma(a3v, x1v, p31)
+                p01 = vfma(a0v, x1v, p01)
+                p11 = vfma(a1v, x1v, p11)
+                p21 = vfma(a2v, x1v, p21)
+                p31 = vfma(a3v, x1v, p31)
         c = c0 + i * c_rs
         _store(C, c, alpha, overwrite, vsum(p00))
         _store(C, c + c_rs, alpha, overwrite, vsum(p10))
         _store(C, c + 2 * c_rs, alpha, overwrite, vsum(p20))
         _store(C, c + 3 * c_rs, alpha, overwrite, vsum(p30))
-        if N == 2:
-            _store(C, c + c_cs, alpha, overwrite, vsum(p01))
-            _store(C, c + c_rs + c_cs, alpha, overwrite, vsum(p11))
-            _store(C, c + 2 * c_rs + c_cs, alpha, overwrite, vsum(p21))
-            _store(C, c + 3 * c_rs + c_cs, alpha, overwrite, vsum(p31))
+        _store(C, c + c_cs, alpha, overwrite, vsum(p01))
+        _store(C, c + c_rs + c_cs, alpha, overwrite, vsum(p11))
+        _store(C, c + 2 * c_rs + c_cs, alpha, overwrite, vsum(p21))
+        _store(C, c + 3 * c_rs + c_cs, alpha, overwrite, vsum(p31))
         i += 4
     while i < Ms:  # the last Ms % 4 rows, one at a time
         p00 = p01 = vz
         for g in range(g0, g1):
             r = a0 + g * a_gs + i * a_rs
-            xb = x0 + cols[g] * Ks * (2 if pairs else 1)
+            xb = x0 + cols[g] * Ks * 2
             for k in range(0, Ks, L):
-                x0v, x1v = _x_columns(X, xb, k, x_ld, pairs, Wp)
+                x0v, x1v = vload_pairs(X, xb + 2 * k)
                 a0v = vload(A, r + k)
                 p00 = vfma(a0v, x0v, p00)
-                if Wp == 2:
-                    p01 = vfma(a0v, x1v, p01)
+                p01 = vfma(a0v, x1v, p01)
         c = c0 + i * c_rs
         _store(C, c, alpha, overwrite, vsum(p00))
-        if N == 2:
-            _store(C, c + c_cs, alpha, overwrite, vsum(p01))
+        _store(C, c + c_cs, alpha, overwrite, vsum(p01))
         i += 1
 
 
@@ -139,14 +125,14 @@ def _dot_row(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c
 
     Blocks outermost: the values are read in memory order (one sequential stream), the partial sums
     loaded from and stored to ``V`` (in L1) once per block. Rows outermost (four rows across all the row's
-    blocks, partial sums in registers: :func:`_dot_rows_in_registers`) jumps a block between loads, a
+    blocks, partial sums in registers: :func:`_dot_pairs_in_registers`) jumps a block between loads, a
     stream per block that the hardware prefetchers pick up late: measured on a model's layers streamed
     from memory (56 products of 1024 x 1024 and 1024 x 2816, bs 32, density 0.1, N = 1), 27 GB/s blocks
     outermost against 14 rows outermost, and no slower with the weight in cache (docs/performance.md).
     Only ``pairs`` (X read in place from a row-major ``(K, 2)``) runs rows outermost."""
-    if pairs:
-        _dot_rows_in_registers(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks,
-                               N, Wp, L, alpha, overwrite, zero)  # fmt: skip
+    if pairs:  # (N = Wp = 2)
+        _dot_pairs_in_registers(A, a0, a_gs, a_rs, X, x0, cols, g0, g1, C, c0, c_rs, c_cs, Ms, Ks, L, alpha,
+                                overwrite, zero)  # fmt: skip
         return
     vz = vzero(zero)
     for e in range(0, Ms * Wp * L, L):
