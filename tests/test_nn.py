@@ -410,7 +410,8 @@ def test_no_grad_path_follows_every_change_of_the_layer():
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_repeated_no_grad_call_reruns_its_prepared_call_directly_and_stays_right(monkeypatch, bias):
     """From the third call of one input layout on, the no-grad forward reruns the prepared call by data
-    addresses (dispatch.rerun_weight_call), not through rerun_prepared, and its loop proves the pattern;
+    addresses (dispatch.rerun_weight_call_directly), not through rerun_prepared, and its loop proves the
+    pattern;
     a pattern written in place, an input of another layout or thread count, and new tuning state each
     leave that path and stay right."""
     from bsrkit import dispatch, tuning
@@ -452,6 +453,44 @@ def test_a_repeated_no_grad_call_reruns_its_prepared_call_directly_and_stays_rig
         monkeypatch.setattr(tuning, "resolve_state", lambda: ({}, set()))
         right(x)
         assert len(through) > calls  # (new tuning state: not rerun directly)
+
+
+def test_a_direct_rerun_needs_no_kept_operand_and_finds_a_pattern_another_path_rebuilt(monkeypatch):
+    """The direct rerun holds no kept operand: after a pattern written in place was found and rebuilt by
+    the differentiable forward, the no-grad call's remembered prepared call runs its loop on its own
+    (old) plan, finds the change, and the product is recomputed on the new pattern; later calls rerun
+    directly again, each proving the new pattern."""
+    from bsrkit import dispatch
+
+    layer = BSRLinear(64, 32, 8, density=0.5, generator=torch.Generator().manual_seed(6))
+    direct = []
+    real = dispatch.rerun_weight_call_directly
+
+    def counted(*args):
+        direct.append(real(*args))
+        return direct[-1]
+
+    monkeypatch.setattr(dispatch, "rerun_weight_call_directly", counted)
+
+    def right(x):
+        assert_close(layer(x).detach(), _dense_twin(layer)(x.detach()), k=64)
+
+    x = torch.randn(1, 64)
+    with torch.no_grad():
+        for _ in range(4):
+            right(x)
+    assert direct[-1] is True  # (the direct path is taken)
+    _write_another_pattern_in_place(layer)
+    right(torch.randn(1, 64, requires_grad=True))  # (the differentiable path: a full proof, rebuilt)
+    stale = bsrkit.shortcut_info().loop_stale
+    with torch.no_grad():
+        right(x)
+        assert bsrkit.shortcut_info().loop_stale == stale + 1  # (its old plan's loop found the change)
+        del direct[:]
+        for _ in range(4):
+            right(x)
+        assert direct[-1] is True  # (rerun directly again, on the new pattern's prepared call)
+        assert bsrkit.shortcut_info().loop_stale == stale + 1
 
 
 def test_frozen_weights_take_the_no_grad_path_and_input_grads_still_flow():

@@ -50,17 +50,22 @@ def linear_product(
     call = calls.get(signature)
     a, done = None, False
     if call is not None and not transposed and y.numel():
-        # A kept operand with the cheap half of its proof; the rerun's loop (or rerun_prepared) proves the
-        # rest before anything derived from the index data is used (see bsrkit.shortcuts).
         unproven = check_mode()[0]
-        a = shortcuts.kept_operand(weight, compare=unproven)
-        if a is not None:
-            try:
-                done = dispatch.rerun_weight_call(a, call, x, y, unproven)
-            except shortcuts.StalePattern:  # (changed index data: rebuilt and revalidated below)
-                call.remember(None, None, None)
-                shortcuts.forget_operand(weight, a)
-                a = None
+        try:
+            if unproven:  # (the direct rerun: its loop is the whole proof, see bsrkit.shortcuts)
+                done = dispatch.rerun_weight_call_directly(call, values, x, y)
+            if not done:
+                # A kept operand with the cheap half of its proof; rerun_prepared (or its loop) proves the
+                # rest before anything derived from the index data is used.
+                a = shortcuts.kept_operand(weight, compare=unproven)
+                if a is not None:
+                    done = dispatch.rerun_weight_call(a, call, x, y, unproven)
+        except shortcuts.StalePattern:  # (changed index data: rebuilt and revalidated below)
+            stale = a if a is not None else call.operand
+            call.remember(None, None, None)
+            if stale is not None:
+                shortcuts.forget_operand(weight, stale)
+            a = None
     if not done:
         if a is None:
             a = Operand.of(weight, _OP, "weight")  # (validates the pattern once; errors name the weight)

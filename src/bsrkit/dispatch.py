@@ -23,6 +23,7 @@ __all__ = [
     "forced_backend",
     "rerun_prepared",
     "rerun_weight_call",
+    "rerun_weight_call_directly",
     "sampled",
     "scatter_mm",
     "select",
@@ -213,25 +214,37 @@ def rerun_weight_call(
     """``y^T = a @ x^T`` for a kept weight's product (:func:`bsrkit.custom_ops.linear_product`: ``y`` new
     and row-major, ``call`` kept under a key that holds ``x``'s and ``y``'s layouts and the thread count,
     everything :func:`_fast_key` reads) by :func:`rerun_prepared`; False, computing nothing, when it has
-    no prepared call. Once a prepared call whose loop proves the index data ran, ``call`` remembers it
-    with ``a`` and the tuning state, and later calls with the same (kept) operand and tuning state rerun
-    it at once, by data addresses where it takes them (``rerun.at``): no key, no lookup, no transposed
-    views. Raises
+    no prepared call. A prepared call whose loop proves the index data is remembered on ``call`` with
+    ``a`` and the tuning state, for :func:`rerun_weight_call_directly`. Raises
     :class:`~bsrkit.shortcuts.StalePattern` as :func:`rerun_prepared`."""
-    state = tuning.resolve_state()
-    known = call.tuning_state
-    if unproven and call.operand is a and known is not None and known[0] is state[0] and known[1] is state[1]:
-        at = getattr(call.rerun, "at", None)
-        if at is not None:
-            shortcuts.proven_in_loop(at(a.values.data_ptr(), x.data_ptr(), y.data_ptr(), True))
-        else:  # (a call that fills a copy of dense from the tensor)
-            shortcuts.proven_in_loop(call.rerun(a.values, x.mT, y.mT, True))
-        return True
     call.remember(None, None, None)
     rerun = rerun_prepared(a, call.checked, x.mT, y.mT, unproven)
     if rerun is not None and unproven and rerun.proves:
-        call.remember(a, rerun, state)
+        call.remember(a, rerun, tuning.resolve_state())
     return rerun is not None
+
+
+def rerun_weight_call_directly(
+    call: shortcuts.WeightCall, values: torch.Tensor, x: torch.Tensor, y: torch.Tensor
+) -> bool:
+    """``y^T = W x^T`` by the prepared call ``call`` remembers (:func:`rerun_weight_call`), by data
+    addresses where it takes them (``rerun.at``): no operand, key, lookup or transposed views; False,
+    computing nothing, when it remembers none or the tuning state changed since. ``values`` are the kept
+    weight's (the caller found ``call`` in its table, so the parts and their layouts are those the call
+    was prepared with: see :mod:`bsrkit.shortcuts`). Its loop proves the index data; raises
+    :class:`~bsrkit.shortcuts.StalePattern` when it changed."""
+    known = call.tuning_state
+    if known is None:
+        return False
+    state = tuning.resolve_state()
+    if known[0] is not state[0] or known[1] is not state[1]:
+        return False
+    at = call.rerun.at
+    if at is not None:
+        shortcuts.proven_in_loop(at(values.data_ptr(), x.data_ptr(), y.data_ptr(), True))
+    else:  # (a call that fills a copy of dense from the tensor)
+        shortcuts.proven_in_loop(call.rerun(values, x.mT, y.mT, True))
+    return True
 
 
 def _prove(a: Operand | None) -> None:

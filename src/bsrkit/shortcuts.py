@@ -21,8 +21,8 @@ such a call skip work an earlier call did:
    ``values``: :class:`bsrkit.nn.BSRLinear`, the custom ops) maps to one BSR wrapper of them, so that its
    products take the three shortcuts above instead of building a wrapper and a plan key per call. Its
    products are kept by the input's whole layout (:class:`WeightCall`): the checked call, and the
-   prepared call last run with the kept operand, which a call of the same layout with the same operand
-   and tuning state reruns by data addresses (:func:`bsrkit.dispatch.rerun_weight_call`).
+   prepared call last run with the kept operand, which a call of the same layout and tuning state reruns
+   by data addresses (:func:`bsrkit.dispatch.rerun_weight_call_directly`).
 
 **The one rule every hit obeys**: a hit is served only when everything the skipped work read is provably
 what it was when the entry was made:
@@ -41,9 +41,10 @@ what it was when the entry was made:
   and the product is recomputed on the rebuilt pattern (:func:`forget_operand`, see
   :func:`bsrkit.ops.checked_addmm`);
 - tuning state, by identity of the table and warnings that chose the parameters;
-- a weight call's direct rerun, by identity of the kept operand it was prepared on and of the tuning
-  state, under a key that holds every layout the prepared call's own key is made of; only a call whose
-  loop proves the index data is rerun so (the deferred proof above);
+- a weight call's direct rerun, by the kept weight it was found on (its key holds every layout the
+  prepared call's own key is made of) and identity of the tuning state; only a call whose loop proves the
+  index data is rerun so (the deferred proof above), and it needs no kept operand: the part objects hold
+  the index storages, at the addresses and extents the loop compares (the cheap half of the proof);
 - a kept weight, by identity of the three part objects and equality of their data addresses, shapes,
   strides, dtypes and devices (what ``.data =``, ``set_`` or ``resize_`` would change); their contents are
   the wrapper's members' and so proven as above (values are data, never part of a plan).

@@ -117,11 +117,12 @@ class Backend(Protocol):
         also compares, inside the work it does anyway, every index entry of ``a`` (every byte that
         ``a.pattern.proof`` covers) with the plan it runs on, addressing memory through that plan only,
         and returns how many differ (0: proven unchanged; else ``out`` is to be recomputed). Its caller
-        checks first that the proof's storages are intact (:meth:`bsrkit.freshness.Snapshot.intact`).
+        checks first that the proof's storages are intact (:meth:`bsrkit.freshness.Snapshot.intact`, or
+        a kept weight's parts, which hold them: see :mod:`bsrkit.shortcuts`).
 
         It may also have an attribute ``at``: None, or ``at(values_ptr, dense_ptr, out_ptr, prove=False)``,
         the same call given the operands' data addresses instead of the tensors (for a caller that holds
-        the layouts fixed: :func:`bsrkit.dispatch.rerun_weight_call`)."""
+        the layouts fixed: :func:`bsrkit.dispatch.rerun_weight_call_directly`)."""
         ...
 
     def sampled(
