@@ -493,6 +493,42 @@ def test_a_direct_rerun_needs_no_kept_operand_and_finds_a_pattern_another_path_r
         assert bsrkit.shortcut_info().loop_stale == stale + 1
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(2, 3, 64),  # (rows one stride apart: a view, rerun directly)
+        lambda: torch.randn(3, 2, 64).transpose(0, 1),  # (rows not: copied each call, never rerun so)
+        lambda: torch.randn(64),
+        lambda: torch.randn(4, 1, 1, 64)[1:3],
+    ],
+    ids=["3d", "3d-transposed", "1d", "4d-offset"],
+)
+def test_the_no_grad_product_takes_any_leading_dims_and_reruns_directly_only_on_a_view(monkeypatch, make):
+    """The no-grad forward hands the input as it is to linear_product (no reshape on the direct rerun):
+    every leading layout gives the dense twin's result and shape, and the direct rerun is taken exactly
+    where the input's rows are a view of its memory (its addresses are the prepared call's operand)."""
+    from bsrkit import dispatch
+
+    layer = BSRLinear(64, 32, 8, bias=True, density=0.5, generator=torch.Generator().manual_seed(7))
+    direct = []
+    real = dispatch.rerun_weight_call_directly
+
+    def counted(*args):
+        direct.append(real(*args))
+        return direct[-1]
+
+    monkeypatch.setattr(dispatch, "rerun_weight_call_directly", counted)
+    viewable = None
+    with torch.no_grad():
+        for _ in range(5):
+            x = make()
+            got = layer(x)
+            assert got.shape == (*x.shape[:-1], 32) and got.is_contiguous()
+            assert_close(got, _dense_twin(layer)(x), k=64)
+            viewable = x.reshape(-1, 64).data_ptr() == x.data_ptr()
+    assert direct and direct[-1] is viewable
+
+
 def test_frozen_weights_take_the_no_grad_path_and_input_grads_still_flow():
     layer = BSRLinear(16, 8, 4, density=0.5, generator=torch.Generator().manual_seed(4)).requires_grad_(False)
     before = bsrkit.shortcut_info().weight_hits

@@ -34,15 +34,16 @@ def linear_product(
     transposed: bool,
 ) -> torch.Tensor:
     r""":math:`y = x W^T + b` (``transposed``: :math:`y = x W`) for the BSR weight :math:`W = ` ``(crow,
-    col, values)`` of shape ``(M, K)`` and a 2-D ``x`` ``(N, K)`` (``(N, M)``); ``y`` is row-major, ``(N,
-    M)`` (``(N, K)``). Computes nothing for autograd: :func:`linear` is the differentiable op, and
+    col, values)`` of shape ``(M, K)`` and ``x`` ``(..., K)`` (``(..., M)``); ``y`` is row-major, ``(...,
+    M)`` (``(..., K)``). Computes nothing for autograd: :func:`linear` is the differentiable op, and
     :class:`bsrkit.nn.BSRLinear` calls this directly where no gradient is needed (it skips the
     dispatcher's ~30 µs).
 
-    The kernel writes :math:`y^T = W x^T` into the transposed view of a row-major ``y``: ``x^T`` is a
-    column-major view, read without a copy, and the output has the layout every later op expects."""
+    The kernel writes :math:`y^T = W x^T` into the transposed view of a row-major ``y`` (its rows: every
+    leading index of ``x``): ``x^T`` is a column-major view, read without a copy where ``x``'s rows are
+    one strided matrix, and the output has the layout every later op expects."""
     weight, calls = shortcuts.kept_weight(crow, col, values, (M, K))
-    y = x.new_empty((x.shape[0], K if transposed else M))
+    y = x.new_empty((*x.shape[:-1], K if transposed else M))
     # What the checks and the prepared call of this product depend on beyond the kept weight's own (fixed)
     # metadata: x's whole layout (y is new and row-major: its layout is x's shape's) and the thread count.
     signature = (x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, x.requires_grad, transposed,
@@ -70,7 +71,7 @@ def linear_product(
         if a is None:
             a = Operand.of(weight, _OP, "weight")  # (validates the pattern once; errors name the weight)
         checked = None if call is None else call.checked
-        dense, out = x.mT, y.mT
+        dense, out = dispatch.rows(x).mT, dispatch.rows(y).mT
         ops.checked_addmm(
             _OP, None, weight, dense, beta=0.0, alpha=1.0, out=out, meta=None, transpose=transposed,
             checked=checked, operand=a,

@@ -24,6 +24,7 @@ __all__ = [
     "rerun_prepared",
     "rerun_weight_call",
     "rerun_weight_call_directly",
+    "rows",
     "sampled",
     "scatter_mm",
     "select",
@@ -208,18 +209,26 @@ def rerun_prepared(
     return rerun
 
 
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the 2-D matrix of its last dimension's rows (itself when 2-D; a view where its leading
+    dimensions are one stride apart, else a copy)."""
+    return t if t.ndim == 2 else t.reshape(-1, t.shape[-1])
+
+
 def rerun_weight_call(
     a: Operand, call: shortcuts.WeightCall, x: torch.Tensor, y: torch.Tensor, unproven: bool
 ) -> bool:
-    """``y^T = a @ x^T`` for a kept weight's product (:func:`bsrkit.custom_ops.linear_product`: ``y`` new
-    and row-major, ``call`` kept under a key that holds ``x``'s and ``y``'s layouts and the thread count,
-    everything :func:`_fast_key` reads) by :func:`rerun_prepared`; False, computing nothing, when it has
-    no prepared call. A prepared call whose loop proves the index data is remembered on ``call`` with
-    ``a`` and the tuning state, for :func:`rerun_weight_call_directly`. Raises
-    :class:`~bsrkit.shortcuts.StalePattern` as :func:`rerun_prepared`."""
+    """``y = x a^T`` for a kept weight's product (:func:`bsrkit.custom_ops.linear_product`: ``y`` new and
+    row-major, ``call`` kept under a key that holds ``x``'s and so ``y``'s layouts and the thread count,
+    everything :func:`_fast_key` reads) by :func:`rerun_prepared` on their rows (:func:`rows`); False,
+    computing nothing, when it has no prepared call. A prepared call whose loop proves the index data,
+    run on ``x``'s own memory (its rows a view), is remembered on ``call`` with ``a`` and the tuning
+    state, for :func:`rerun_weight_call_directly`. Raises :class:`~bsrkit.shortcuts.StalePattern` as
+    :func:`rerun_prepared`."""
     call.remember(None, None, None)
-    rerun = rerun_prepared(a, call.checked, x.mT, y.mT, unproven)
-    if rerun is not None and unproven and rerun.proves:
+    x2 = rows(x)
+    rerun = rerun_prepared(a, call.checked, x2.mT, rows(y).mT, unproven)
+    if rerun is not None and unproven and rerun.proves and x2.data_ptr() == x.data_ptr():
         call.remember(a, rerun, tuning.resolve_state())
     return rerun is not None
 
@@ -227,12 +236,12 @@ def rerun_weight_call(
 def rerun_weight_call_directly(
     call: shortcuts.WeightCall, values: torch.Tensor, x: torch.Tensor, y: torch.Tensor
 ) -> bool:
-    """``y^T = W x^T`` by the prepared call ``call`` remembers (:func:`rerun_weight_call`), by data
-    addresses where it takes them (``rerun.at``): no operand, key, lookup or transposed views; False,
-    computing nothing, when it remembers none or the tuning state changed since. ``values`` are the kept
-    weight's (the caller found ``call`` in its table, so the parts and their layouts are those the call
-    was prepared with: see :mod:`bsrkit.shortcuts`). Its loop proves the index data; raises
-    :class:`~bsrkit.shortcuts.StalePattern` when it changed."""
+    """``y = x W^T`` by the prepared call ``call`` remembers (:func:`rerun_weight_call`), by data
+    addresses where it takes them (``rerun.at``): no operand, key, lookup or views; False, computing
+    nothing, when it remembers none or the tuning state changed since. ``values`` are the kept weight's
+    (the caller found ``call`` in its table, so the parts and their layouts are those the call was
+    prepared with, and ``x``'s and ``y``'s rows are views of their memory: see :mod:`bsrkit.shortcuts`).
+    Its loop proves the index data; raises :class:`~bsrkit.shortcuts.StalePattern` when it changed."""
     known = call.tuning_state
     if known is None:
         return False
@@ -243,7 +252,7 @@ def rerun_weight_call_directly(
     if at is not None:
         shortcuts.proven_in_loop(at(values.data_ptr(), x.data_ptr(), y.data_ptr(), True))
     else:  # (a call that fills a copy of dense from the tensor)
-        shortcuts.proven_in_loop(call.rerun(values, x.mT, y.mT, True))
+        shortcuts.proven_in_loop(call.rerun(values, rows(x).mT, rows(y).mT, True))
     return True
 
 
