@@ -38,6 +38,27 @@ def test_matches_reference_at_every_width(product_path, dtype, shape):
         assert_close(product_path.mm(bsr, dense), reference.bsr_dense_mm(bsr, dense), k=K)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_a_column_major_out_is_written_right_at_every_width(dtype, shape):
+    """``out`` the transposed view of a row-major ``(N, M)`` (what BSRLinear hands the kernel): each loop
+    writes it column by column where its columns are contiguous; overwritten (mm) and added to with
+    beta and alpha (addmm), the rows outside the pattern included."""
+    M, K, blocksize = shape
+    g = torch.Generator().manual_seed(M * K)
+    bsr = random_bsr((M, K), blocksize, 0.4, dtype, empty_rows=(1,), generator=g)
+    for N in (1, 2, 3, 4, 5, 8, 9, 16):
+        dense = torch.randn((N, K), generator=g).to(dtype).mT  # (x.mT: column-major too)
+        out = torch.full((N, M), float("nan"), dtype=dtype).mT
+        bsrkit.bsr_dense_mm(bsr, dense, out=out)
+        assert_close(out, reference.bsr_dense_mm(bsr, dense), k=K)
+        start = torch.randn((N, M), generator=g).to(dtype)
+        out = start.clone().mT
+        bsrkit.bsr_dense_addmm(out.clone(), bsr, dense, beta=0.5, alpha=-2.0, out=out)
+        expected = 0.5 * start.mT - 2.0 * reference.bsr_dense_mm(bsr, dense)
+        assert_close(out, expected, k=K)
+
+
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial entry", "parallel loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_two_row_major_columns_are_read_in_place(monkeypatch, dtype, parallel):

@@ -240,7 +240,9 @@ def _axpy_row(A, a0, a_gs, a_rs, a_cs, X, x0, x_ld, cols, g0, g1, C, c0, c_rs, c
     """X is (K, Wp) (row k at ``x0 + k * x_ld``, contiguous along its Wp columns, Wp a multiple of L):
     ``acc[i, :] += A[i, k] * X[k, :]`` with one element of A broadcast to all lanes. Block by block (A
     is read in order, the block's rows of X stay in cache), four output rows times 2L (else L) columns
-    at a time in registers; the row's sums in ``V`` (Ms * Wp elements) between blocks."""
+    at a time in registers; the row's sums in ``V`` (Ms * Wp elements) between blocks, stored row by row,
+    or column by column where C's columns are contiguous (``c_rs == 1``: a layer's row-major output seen
+    transposed; lane by lane into rows M apart costs more)."""
     vz = vzero(zero)
     for e in range(0, Ms * Wp, L):
         vstore(V, e, vz)
@@ -319,6 +321,11 @@ def _axpy_row(A, a0, a_gs, a_rs, a_cs, X, x0, x_ld, cols, g0, g1, C, c0, c_rs, c
                     vstore(V, v + L, c01)
                 i += 1
             j0 += 2 * L if two else L
+    if c_rs == 1 and c_cs != 1:  # (a column-major tile: each column's Ms sums are contiguous in C)
+        for j in range(N):
+            for i in range(Ms):
+                _store(C, c0 + i + j * c_cs, alpha, overwrite, V[i * Wp + j])
+        return
     for i in range(Ms):
         for j0 in range(0, N, L):
             n = min(L, N - j0)  # (padded columns are computed, never stored)
