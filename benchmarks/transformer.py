@@ -3,7 +3,9 @@ memory, for a LLaMA-style transformers model with random weights.
 
 The dense model runs on transformers' SDPA attention (torch's best CPU attention); the sparse one is the
 same model after ``bsrkit.sparsify_`` (every decoder linear layer; the output head stays dense) with
-``attn_implementation="bsrkit"``. Both see the same prompt; decode is greedy with a KV cache.
+``attn_implementation="bsrkit"``. Both see the same prompt; prefill is the prompt's forward pass as
+``generate`` runs it (``logits_to_keep=1``: the last position's logits; ``--all-logits``: every position's,
+a scoring pass); decode is greedy with a KV cache.
 
     python benchmarks/transformer.py                                  # the issue-25 model, 2 threads
     python benchmarks/transformer.py --layers 2 --hidden 256 --intermediate 704 --prefill 128  # small
@@ -43,6 +45,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--check", action="store_true", help="also compare logits with the pruned dense twin")
+    ap.add_argument(
+        "--all-logits", action="store_true", help="prefill computes every position's logits (a scoring pass)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     config = ModelConfig(args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.vocab)
@@ -52,7 +57,7 @@ def main() -> int:
           f"{torch.get_num_threads()} threads, float32, blocksize {args.blocksize}")  # fmt: skip
     rows, models = compare(
         dense, args.densities, blocksize=args.blocksize, prefill=args.prefill, prompt=args.prompt,
-        decode=args.decode, repeats=args.repeats,
+        decode=args.decode, repeats=args.repeats, all_logits=args.all_logits,
     )  # fmt: skip
     print(format_rows(rows))
     if args.check:

@@ -87,3 +87,17 @@ def test_sparsified_model_equals_the_dense_model_with_the_same_pruned_weights():
     tokens = torch.randint(0, 97, (2, 64), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens).logits, theirs(tokens).logits, **TOL)
+
+
+def test_the_timed_prefill_asks_for_the_last_logits_only_as_generate_does():
+    """benchmarks/transformer.py's prefill is the prompt pass ``generate`` runs (``logits_to_keep=1``):
+    one row of logits; ``all_logits`` times the scoring pass (every row)."""
+    from bsrkit import model_demo
+
+    model = model_demo.build(model_demo.ModelConfig(64, 176, 1, 2, 2, 100))
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append(out.logits.shape[1]))
+    tokens = torch.randint(0, 100, (1, 12))
+    model_demo.prefill_seconds(model, tokens)
+    model_demo.prefill_seconds(model, tokens, all_logits=True)
+    assert seen == [1, 12]

@@ -5,7 +5,8 @@ bsrkit (``attn_implementation="bsrkit"``), against the same dense model on trans
 ``benchmarks/transformer.py`` (the models of ``docs/performance.md``). Needs transformers
 (``pip install bsrkit[hf]``).
 
-Each model sees the same prompt; decode is greedy with a KV cache. The methods alternate run by run, so
+Each model sees the same prompt; prefill is the prompt's forward pass as ``generate`` runs it (the last
+position's logits only); decode is greedy with a KV cache. The methods alternate run by run, so
 that a shared machine's load hits them alike; every time is a median over the runs.
 """
 
@@ -72,10 +73,21 @@ def sparsified(dense: Any, blocksize: int, density: float) -> tuple[Any, Any]:
     return sparse, summary
 
 
-def prefill_seconds(model: torch.nn.Module, tokens: torch.Tensor) -> float:
+def _last_logits_only(model: torch.nn.Module) -> dict[str, Any]:
+    """The keyword with which ``generate`` asks a prompt's forward pass for the last position's logits
+    only (``logits_to_keep=1``, where the model takes it): what a served prefill computes."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
+def prefill_seconds(model: torch.nn.Module, tokens: torch.Tensor, all_logits: bool = False) -> float:
+    """Seconds for the prompt's forward pass as ``generate`` runs it (``all_logits``: every position's
+    logits, a scoring pass: the output head then costs ``len(tokens)`` times more)."""
+    kwargs = {} if all_logits else _last_logits_only(model)
     with torch.no_grad():
         t0 = time.perf_counter()
-        model(tokens)
+        model(tokens, **kwargs)
         return time.perf_counter() - t0
 
 
@@ -90,7 +102,7 @@ def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, new: int) -> fl
 
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        out = model(prompt, use_cache=True)
+        out = model(prompt, use_cache=True, **_last_logits_only(model))
         cache, token = _cache_of(out), out.logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(new):
@@ -131,9 +143,10 @@ def compare(
     prompt: int = 64,
     decode: int = 32,
     repeats: int = 3,
+    all_logits: bool = False,
 ) -> tuple[list[Row], dict[str, Any]]:
-    """Time the dense model and its sparsified copies at ``densities`` (module docstring); return the
-    rows and the copies (by row name)."""
+    """Time the dense model and its sparsified copies at ``densities`` (module docstring; ``all_logits``
+    as :func:`prefill_seconds`); return the rows and the copies (by row name)."""
     from bsrkit.benchmarking import peak_rss_mib
 
     vocab = dense.config.vocab_size
@@ -146,17 +159,17 @@ def compare(
         models[f"density {d} ({summary.swapped} layers)"] = sparse
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in models}
     for model in models.values():  # warm-up: compiles, plans, caches
-        prefill_seconds(model, long)
+        prefill_seconds(model, long, all_logits)
         decode_seconds(model, start, 2)
     for _ in range(repeats):
         for name, model in models.items():
-            times[name][0].append(prefill_seconds(model, long))
+            times[name][0].append(prefill_seconds(model, long, all_logits))
             times[name][1].append(decode_seconds(model, start, decode))
     base_p, base_d = (statistics.median(t) for t in times["dense (SDPA)"])
     rows = []
     for name, model in models.items():
         tp, td = (statistics.median(t) for t in times[name])
-        peak = peak_rss_mib(lambda m=model: prefill_seconds(m, long))  # type: ignore[misc]
+        peak = peak_rss_mib(lambda m=model: prefill_seconds(m, long, all_logits))  # type: ignore[misc]
         held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**20
         rows.append(Row(name, prefill / tp, base_p / tp, decode / td, base_d / td, held, peak))
     return rows, models

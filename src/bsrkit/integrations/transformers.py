@@ -61,10 +61,9 @@ def attention_forward(
     """transformers' attention-function signature: ``query`` ``(B, H, L, D)``, ``key``/``value``
     ``(B, Hkv, S, D)``; returns ``(output (B, L, H, Dv), None)`` as ``sdpa_attention_forward`` does."""
     L, S = query.shape[2], key.shape[2]
-    blocksize = _blocksize(L, S)
+    blocksize = None if L == 1 else _blocksize(L, S)  # (a decode step's one row: SDPA, at once)
     unsupported = (
-        L == 1
-        or blocksize is None
+        blocksize is None
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
         or kwargs.get("output_attentions", False)
