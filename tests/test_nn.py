@@ -144,6 +144,33 @@ def test_torch_compile_fullgraph_matches_eager():
         assert_close(p.grad, g)
 
 
+@pytest.mark.parametrize("shape", [(6, 32), (2, 3, 32)], ids=["2d", "3d"])
+def test_torch_compile_without_grad_traces_the_plain_product_op(shape):
+    """Under torch.compile a call that needs no gradient traces ``bsrkit::linear_product`` (a plain
+    torch.library op: none of custom_op's autograd layers), one that needs one the differentiable
+    ``bsrkit::linear``; both give eager's result."""
+    torch.manual_seed(1)
+    layer = BSRLinear(32, 16, 8, density=0.5)
+    graphs = []
+
+    def backend(gm, inputs):
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        graphs.append({str(n.target).removesuffix(".default") for n in calls})
+        return gm.forward
+
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        assert_close(compiled(x), layer(x))
+    assert "bsrkit.linear_product" in graphs[-1] and "bsrkit.linear" not in graphs[-1]
+    xg = x.clone().requires_grad_()
+    out = compiled(xg)
+    assert "bsrkit.linear" in graphs[-1] and "bsrkit.linear_product" not in graphs[-1]
+    assert_close(out, layer(x))
+    out.sum().backward()
+    assert xg.grad is not None and layer.values.grad is not None
+
+
 def test_plans_follow_a_loaded_pattern_also_through_to_bsr():
     """load_state_dict gives the pattern new memory, so a BSR built by to_bsr() after the load cannot be
     served a plan of the old pattern (torch gives a BSR's index tensors their own version counters, so
@@ -323,12 +350,17 @@ def _opcheck_samples():
     yield custom_ops.linear, (crow, col, values, xl, bias, 12, 16, False)
     yield custom_ops.linear, (crow, col, values, xl[:, :12].detach(), None, 12, 16, True)
     yield custom_ops.linear, (crow, col, values.detach(), xl.detach().mT.contiguous().mT, None, 12, 16, False)
+    product = torch.ops.bsrkit.linear_product.default  # (no autograd: inputs that need no gradient)
+    plain, b = values.detach(), bias.detach()
+    yield product, (crow, col, plain, xl.detach(), b, 12, 16, False)
+    yield product, (crow, col, plain, xl.detach().reshape(5, 1, 16), None, 12, 16, False)
+    yield product, (crow, col, plain, xl[:, :12].detach(), None, 12, 16, True)
 
 
 def test_opcheck_every_custom_op(backend):
     if backend == "triton":
         pytest.skip("interpreter time: the registration is backend-free")
-    assert set(torch.ops.bsrkit) == {"bsr_mm", "linear", "sampled_mm"}  # (a new op must join this test)
+    assert set(torch.ops.bsrkit) == {"bsr_mm", "linear", "linear_product", "sampled_mm"}  # (each op here)
     for op, args in _opcheck_samples():
         torch.library.opcheck(op, args)
 
@@ -455,15 +487,11 @@ def test_a_repeated_no_grad_call_reruns_its_prepared_call_directly_and_stays_rig
         assert len(through) > calls  # (new tuning state: not rerun directly)
 
 
-def test_a_direct_rerun_needs_no_kept_operand_and_finds_a_pattern_another_path_rebuilt(monkeypatch):
-    """The direct rerun holds no kept operand: after a pattern written in place was found and rebuilt by
-    the differentiable forward, the no-grad call's remembered prepared call runs its loop on its own
-    (old) plan, finds the change, and the product is recomputed on the new pattern; later calls rerun
-    directly again, each proving the new pattern."""
+def _direct_reruns(monkeypatch) -> list[bool]:
+    """What each call of dispatch.rerun_weight_call_directly returned (True: it reran), from now on."""
     from bsrkit import dispatch
 
-    layer = BSRLinear(64, 32, 8, density=0.5, generator=torch.Generator().manual_seed(6))
-    direct = []
+    direct: list[bool] = []
     real = dispatch.rerun_weight_call_directly
 
     def counted(*args):
@@ -471,6 +499,16 @@ def test_a_direct_rerun_needs_no_kept_operand_and_finds_a_pattern_another_path_r
         return direct[-1]
 
     monkeypatch.setattr(dispatch, "rerun_weight_call_directly", counted)
+    return direct
+
+
+def test_a_direct_rerun_needs_no_kept_operand_and_finds_a_pattern_another_path_rebuilt(monkeypatch):
+    """The direct rerun holds no kept operand: after a pattern written in place was found and rebuilt by
+    the differentiable forward, the no-grad call's remembered prepared call runs its loop on its own
+    (old) plan, finds the change, and the product is recomputed on the new pattern; later calls rerun
+    directly again, each proving the new pattern."""
+    layer = BSRLinear(64, 32, 8, density=0.5, generator=torch.Generator().manual_seed(6))
+    direct = _direct_reruns(monkeypatch)
 
     def right(x):
         assert_close(layer(x).detach(), _dense_twin(layer)(x.detach()), k=64)
@@ -507,17 +545,8 @@ def test_the_no_grad_product_takes_any_leading_dims_and_reruns_directly_only_on_
     """The no-grad forward hands the input as it is to linear_product (no reshape on the direct rerun):
     every leading layout gives the dense twin's result and shape, and the direct rerun is taken exactly
     where the input's rows are a view of its memory (its addresses are the prepared call's operand)."""
-    from bsrkit import dispatch
-
     layer = BSRLinear(64, 32, 8, bias=True, density=0.5, generator=torch.Generator().manual_seed(7))
-    direct = []
-    real = dispatch.rerun_weight_call_directly
-
-    def counted(*args):
-        direct.append(real(*args))
-        return direct[-1]
-
-    monkeypatch.setattr(dispatch, "rerun_weight_call_directly", counted)
+    direct = _direct_reruns(monkeypatch)
     viewable = None
     with torch.no_grad():
         for _ in range(5):

@@ -149,10 +149,12 @@ class BSRLinear(nn.Module):
         crow, col = buffers["crow_indices"], buffers["col_indices"]
         assert crow is not None and col is not None
         M, K = self.out_features, self.in_features
-        if _needs_grad(x, values, bias) or torch.compiler.is_compiling():
+        if _needs_grad(x, values, bias):
             x2 = x if x.ndim == 2 else x.reshape(-1, K)
             y = custom_ops.linear(crow, col, values, x2, bias, M, K, False)
             return y if x.ndim == 2 else y.reshape(*x.shape[:-1], M)
+        if torch.compiler.is_compiling():  # (traceable: the plain op, no autograd layers)
+            return custom_ops.linear_product_op(crow, col, values, x, bias, M, K, False)
         # (no gradient to record: the product itself, on x as it is, without the dispatcher's ~30 µs)
         return custom_ops.linear_product(crow, col, values, x, bias, M, K, False)
 
