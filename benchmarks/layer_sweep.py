@@ -58,10 +58,10 @@ def main() -> int:
         size = (layer.out_features, layer.in_features)
         _, calls = shortcuts.kept_weight(layer.crow_indices, layer.col_indices, layer.values, size)
         (call,) = calls.values()
-        if call.rerun is None or call.rerun.at is None:
+        if call.remembered is None or call.remembered[1].at is None:
             print("no prepared call to rerun by addresses (not the CPU loops?)")
             return 1
-        prepared.append((call.rerun.at, layer.values.data_ptr(), inputs[layer.in_features], layer))
+        prepared.append((call.remembered[1].at, layer.values.data_ptr(), inputs[layer.in_features], layer))
     outputs = [torch.empty(args.tokens, layer.out_features) for layer in layers]
 
     def by_addresses() -> None:

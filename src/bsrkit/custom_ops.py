@@ -63,8 +63,9 @@ def linear_product(
                 if a is not None:
                     done = dispatch.rerun_weight_call(a, call, x, y, unproven)
         except shortcuts.StalePattern:  # (changed index data: rebuilt and revalidated below)
-            stale = a if a is not None else call.operand
-            call.remember(None, None, None)
+            remembered = call.remembered
+            stale = a if a is not None or remembered is None else remembered[0]
+            call.remembered = None
             if stale is not None:
                 shortcuts.forget_operand(weight, stale)
             a = None

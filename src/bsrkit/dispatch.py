@@ -225,11 +225,11 @@ def rerun_weight_call(
     run on ``x``'s own memory (its rows a view), is remembered on ``call`` with ``a`` and the tuning
     state, for :func:`rerun_weight_call_directly`. Raises :class:`~bsrkit.shortcuts.StalePattern` as
     :func:`rerun_prepared`."""
-    call.remember(None, None, None)
+    call.remembered = None
     x2 = rows(x)
     rerun = rerun_prepared(a, call.checked, x2.mT, rows(y).mT, unproven)
     if rerun is not None and unproven and rerun.proves and x2.data_ptr() == x.data_ptr():
-        call.remember(a, rerun, tuning.resolve_state())
+        call.remembered = (a, rerun, tuning.resolve_state())
     return rerun is not None
 
 
@@ -242,17 +242,18 @@ def rerun_weight_call_directly(
     (the caller found ``call`` in its table, so the parts and their layouts are those the call was
     prepared with, and ``x``'s and ``y``'s rows are views of their memory: see :mod:`bsrkit.shortcuts`).
     Its loop proves the index data; raises :class:`~bsrkit.shortcuts.StalePattern` when it changed."""
-    known = call.tuning_state
-    if known is None:
+    remembered = call.remembered  # (one read: another thread may replace it)
+    if remembered is None:
         return False
+    _, rerun, known = remembered
     state = tuning.resolve_state()
     if known[0] is not state[0] or known[1] is not state[1]:
         return False
-    at = call.rerun.at
+    at = rerun.at
     if at is not None:
         shortcuts.proven_in_loop(at(values.data_ptr(), x.data_ptr(), y.data_ptr(), True))
     else:  # (a call that fills a copy of dense from the tensor)
-        shortcuts.proven_in_loop(call.rerun(values, rows(x).mT, rows(y).mT, True))
+        shortcuts.proven_in_loop(rerun(values, rows(x).mT, rows(y).mT, True))
     return True
 
 

@@ -117,20 +117,16 @@ class CheckedCall(NamedTuple):
 
 class WeightCall:
     """A kept weight's product with inputs of one layout (the key in :func:`kept_weight`'s table): its
-    checked call and, once a prepared call that proves in its loop ran it, that call (``rerun``) with the
-    kept operand and the tuning state it was prepared for. Holds no tensor: the operand holds aliases of
-    the kept wrapper's members, which the same table entry holds anyway."""
+    checked call and, once a prepared call that proves in its loop ran it, ``remembered``: that call's
+    ``(operand, rerun, tuning state)``, set and read as one tuple (two threads calling one layer never see
+    a call with another's tuning state). Holds no tensor: the operand holds aliases of the kept wrapper's
+    members, which the same table entry holds anyway."""
 
-    __slots__ = ("checked", "operand", "rerun", "tuning_state")
+    __slots__ = ("checked", "remembered")
 
     def __init__(self, checked: CheckedCall) -> None:
         self.checked = checked
-        self.operand: Operand | None = None
-        self.rerun: Any = None
-        self.tuning_state: tuple[Any, Any] | None = None
-
-    def remember(self, operand: Operand | None, rerun: Any, tuning_state: tuple[Any, Any] | None) -> None:
-        self.operand, self.rerun, self.tuning_state = operand, rerun, tuning_state
+        self.remembered: tuple[Operand, Any, tuple[Any, Any]] | None = None
 
 
 class ShortcutInfo(NamedTuple):
