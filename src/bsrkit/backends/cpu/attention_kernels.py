@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-import bsrkit.backends.cpu.planning as planning
+import bsrkit.backends.cpu.planning  # noqa: F401  (registers the "cpu_mm" plan its operands derive)
 from bsrkit.backends.batching import bsr_batch_of
 from bsrkit.backends.cpu.blas import mkl_functions
 from bsrkit.loading import import_module
@@ -135,7 +135,7 @@ def forward(
     B = q.shape[0]
     out = torch.empty((B, L, Ev), dtype=dtype)
     lse = torch.empty((B, L), dtype=dtype)
-    plan = planning.cpu_mm_plan(a.source, 0, a.pattern)
+    plan = a.plan("cpu_mm", 0)
     bounds = work_bounds(plan.cost, nthreads)
     sgemm, dgemm, set_threads = _addresses()  # type: ignore[misc]
     run(
@@ -177,7 +177,7 @@ def backward(
     dq = torch.empty((B, L, E), dtype=dtype)
     dk = torch.empty((B, S, E), dtype=dtype)
     dv = torch.empty((B, S, Ev), dtype=dtype)
-    plan = planning.cpu_mm_plan(a.source, 0, a.pattern)
+    plan = a.plan("cpu_mm", 0)
     bounds = work_bounds(plan.cost, nthreads)
     heads = side_heads(bounds, L // Ms)
     shared = bool((heads >= 0).any())

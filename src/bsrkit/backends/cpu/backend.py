@@ -193,7 +193,7 @@ def _addmm_small(
     prepared call keeps and fills on each rerun; blocks and out are never copied."""
     values = a.values
     kernel = kernels.bsr_mm_small_kernel()
-    plan = planning.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
+    plan = a.plan("cpu_mm", a.transposed_block_cols)
     N = dense.shape[-1]
     Ms, Ks = values.shape[-2:]
     K = dense.shape[-2]
@@ -310,7 +310,7 @@ class CpuBackend:
         if out.dtype in (torch.float32, torch.float64) and params.get("small_n", N <= _SMALL_N_MAX):
             return _addmm_small(a, dense, out, batch, alpha, overwrite, params["nthreads"])
         kernel = kernels.bsr_mm_kernel()
-        plan = planning.cpu_mm_plan(a.source, a.transposed_block_cols, a.pattern)
+        plan = a.plan("cpu_mm", a.transposed_block_cols)
         values = a.values
         Ms, Ks = values.shape[-2:]
         values, a_rowmajor, lda = _blas_operand(values)
@@ -485,7 +485,7 @@ class CpuBackend:
             bias4 = bias.to(compute).contiguous().reshape(-1, nnz, Ms, Ns)
             bias_of = bsr_batch_of(bias.shape[:-3], batch)
         out = torch.empty_like(x4)
-        crow = planning.cpu_mm_plan(a.source, 0, a.pattern).crow
+        crow = a.plan("cpu_mm", 0).crow
         nthreads = max(1, torch.get_num_threads())
         _run(
             kernel, nthreads,
@@ -503,7 +503,7 @@ class CpuBackend:
         y4 = y.to(compute).contiguous().reshape(-1, nnz, Ms, Ns)
         g4 = grad.to(compute).expand(y.shape).contiguous().reshape(y4.shape)
         out = torch.empty_like(y4)
-        crow = planning.cpu_mm_plan(a.source, 0, a.pattern).crow
+        crow = a.plan("cpu_mm", 0).crow
         nthreads = max(1, torch.get_num_threads())
         _run(kernel, nthreads, crow, y4.numpy(), g4.numpy(), out.numpy())
         return out.reshape(y.shape).to(y.dtype)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from bsrkit import plans
-from bsrkit.plans import Pattern, Source
+from bsrkit.plans import Source
 
 __all__ = ["CpuMMPlan", "CpuScatterPlan", "cpu_mm_plan", "cpu_scatter_plan"]
 
@@ -68,13 +68,12 @@ def cpu_scatter_plan(
     return plans.cached("cpu_scatter", fmt, tensors, split_n, N, Ms, Ns, panel, grid_rows, tiling)
 
 
-def cpu_mm_plan(source: Source, transposed_block_cols: int = 0, pattern: Pattern | None = None) -> CpuMMPlan:
+def cpu_mm_plan(source: Source, transposed_block_cols: int = 0) -> CpuMMPlan:
     """Kernel plan for ``source`` (or, with ``transposed_block_cols`` = its block-column count > 0, for
-    its transpose). ``pattern``: the source's verdict (:func:`check_pattern`), which keeps the plan once
-    fetched, so that later products skip a second cache lookup."""
-    if pattern is None:
-        return plans.cached("cpu_mm", source, transposed_block_cols)
-    return pattern.plan("cpu_mm", transposed_block_cols)
+    its transpose), from the shared plan cache. The backend asks its operand instead
+    (``a.plan("cpu_mm", ...)``: kept on the operand's validated pattern, see :class:`~bsrkit.operand.
+    Operand`)."""
+    return plans.cached("cpu_mm", source, transposed_block_cols)
 
 
 def _build_cpu_mm(source: Source, transposed_block_cols: int) -> CpuMMPlan:
