@@ -354,3 +354,50 @@ def test_a_kept_operand_without_a_proving_call_is_proven_in_python(threads, monk
     product(torch.empty(2, SIZE).mT if how == "a new out layout" else None)
     assert proved[-1] is False and bsrkit.shortcut_info().loop_stale == stale
     product()
+
+
+@pytest.mark.parametrize("N", [1, 5])  # (the dot loop; the broadcast loop)
+def test_the_vector_loops_keep_their_partial_sums_alive(threads, N):
+    """16 x 16 blocks: a row's partial sums (2 KB and more) outgrow the allocator's per-thread cache, so
+    memory freed early goes to the worker's next allocation. The loops write the sums through a pointer
+    into their array, kept alive to the end (``intrinsics.keep_alive``): a loop that allocated after
+    taking the pointer, without it, aborted here. Each product, repeated and after column writes (each
+    rebuilding the pattern), is right."""
+    from bsrkit.benchmarking import random_bsr_weight
+
+    b, _ = random_bsr_weight(256, 16, 0.3, seed=5)
+    crow, col = b.crow_indices().numpy(), b.col_indices().numpy()
+    for row in range(6):
+        x = torch.randn(256, N)
+        assert_close(bsrkit.bsr_dense_mm(b, x), reference.bsr_dense_mm(b, x), k=256)
+        # (the row's blocks in reverse column order: a valid pattern, moving no version counter)
+        col[crow[row] : crow[row + 1]] = col[crow[row] : crow[row + 1]][::-1].copy()
+
+
+def test_keep_alive_holds_an_array_addressed_by_a_pointer():
+    """What the vector loops rely on (see ``intrinsics.keep_alive``): without a later use, numba frees an
+    array after its last use as an array, and the next allocation takes its memory."""
+    import numba
+
+    from bsrkit.backends.cpu.compiled.intrinsics import keep_alive
+
+    def reuses(keep: bool) -> int:
+        @numba.njit
+        def allocate_after(n):  # type: ignore[no-untyped-def]
+            first = np.full(n, 1.0)
+            address = first.ctypes.data
+            k = 0
+            while k < n:  # (a later block: first's last use is behind it)
+                k += 1
+            same = 0  # (allocations that got first's memory)
+            for _ in range(8):
+                other = np.empty(n, np.float64)
+                same += address == other.ctypes.data
+            if keep:
+                keep_alive(first)
+            return same
+
+        return int(allocate_after(256))
+
+    assert reuses(keep=False) > 0  # (the hazard is real here: else this test shows nothing)
+    assert reuses(keep=True) == 0

@@ -128,6 +128,15 @@ def typed_pointer(typingctx, address, zero):
     return types.CPointer(zero)(address, zero), codegen
 
 
+@numba.njit(nogil=True, cache=False)
+def keep_alive(array):
+    """Nothing: a use of ``array`` where it is called. numba frees an array after its last use *as an
+    array*, so one addressed through a raw pointer taken from it (``typed_pointer(a.ctypes.data, ..)``)
+    must be used again after the pointer's last use: else the writes through the pointer go to freed
+    heap (as a loop's partial sums once did, harmlessly only while nothing was allocated after them)."""
+    return None
+
+
 @intrinsic
 def int64_pointer(typingctx, address):
     """``address`` (int64) as a pointer to int64."""

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from bsrkit.backends.cpu.compiled.constants import DOT_PAIRS, KIND_F64
-from bsrkit.backends.cpu.compiled.intrinsics import run_mismatches, task_bound, typed_pointer
+from bsrkit.backends.cpu.compiled.intrinsics import keep_alive, run_mismatches, task_bound, typed_pointer
 from bsrkit.backends.cpu.compiled.support import (
     Address,
     Bool,
@@ -343,7 +343,7 @@ def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows
     A = typed_pointer(a_addr, zero)
     X = typed_pointer(x_addr, zero)
     C = typed_pointer(c_addr, zero)
-    scratch = np.full(max(Ms * max(4 * L, Wp), 1), zero)  # the row's partial sums
+    scratch = np.full(max(Ms * max(4 * L, Wp), 1), zero)  # the row's partial sums (kept alive below)
     V = typed_pointer(scratch.ctypes.data, zero)
     b, i = task_bound(t, nthreads, bstart, cum, bsr_of, rows, rows)
     b_end, i_end = task_bound(t + 1, nthreads, bstart, cum, bsr_of, rows, rows)
@@ -368,6 +368,7 @@ def _small_run(zero, L, alpha, t, nthreads, bstart, crow, col, cum, bsr_of, rows
         if i == rows:
             b += 1
             i = 0
+    keep_alive(scratch)  # (V's array, to here)
     return differ
 
 
