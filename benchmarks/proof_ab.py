@@ -7,7 +7,8 @@ Python before the loop (``Snapshot.unchanged()``, what the loop's proof replaced
 Each point is ``n,blocksize,density,N`` (an n x n float32 BSR weight times n x N, 2 threads); µs per call,
 medians over rounds. "extra" is the median over rounds of each round's ratio to no proof (the modes of a
 round run back to back, in an order reversed every other round, so that drift cancels), with the
-interquartile range of those ratios in brackets.
+interquartile range of those ratios in brackets; "best" is each mode's fastest round against no proof's
+(interference only ever slows a round, so on a busy host the best rounds show the work itself).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def main() -> int:
     ap.add_argument("--out", action="store_true", help="write into a preallocated out= (as decode.py does)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{'n,bs,density,N':>16} | {'no proof':>9} {'Python':>9} {'loop':>9} | Python extra, loop extra")
+    header = f"{'n,bs,density,N':>16} | {'no proof':>9} {'Python':>9} {'loop':>9}"
+    print(f"{header} | Python extra, loop extra | best: Python, loop")
     for point in args.points:
         n, bs, density, N = point.split(",")
         w, _ = random_bsr_weight(int(n), int(bs), float(density))
@@ -65,13 +67,14 @@ def main() -> int:
         finally:
             rerun.proves = True
         m = {mode: statistics.median(t) for mode, t in times.items()}
+        best = {k: f"{100 * (min(times[k]) / min(times['none']) - 1):+.1f}%" for k in ("python", "loop")}
         extra = {}
         for k in ("python", "loop"):
             ratios = [100 * (a / b - 1) for a, b in zip(times[k], times["none"], strict=True)]
             q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
             extra[k] = f"{med:+.1f}% [{q1:+.1f}, {q3:+.1f}]"
         print(f"{point:>16} | {m['none']:>9.1f} {m['python']:>9.1f} {m['loop']:>9.1f} | "
-              f"{extra['python']}, {extra['loop']}")  # fmt: skip
+              f"{extra['python']}, {extra['loop']} | {best['python']}, {best['loop']}")  # fmt: skip
     return 0
 
 
