@@ -105,7 +105,7 @@ linear_product_op = torch.ops.bsrkit.linear_product  # (the op; the name also li
 
 @torch.library.register_fake("bsrkit::linear_product")
 def _(crow, col, values, x, bias, M, K, transposed):
-    _check_bsr_mm(values, x.reshape(-1, x.shape[-1]).mT, M, K, transposed)
+    _check_bsr_mm(values, dispatch.rows(x).mT, M, K, transposed)
     return x.new_empty((*x.shape[:-1], K if transposed else M))
 
 

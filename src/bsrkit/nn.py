@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bsrkit import custom_ops
+from bsrkit import custom_ops, dispatch
 from bsrkit.validation import check_operand_dtypes, pattern_defect
 
 __all__ = ["BSRLinear"]
@@ -150,8 +150,7 @@ class BSRLinear(nn.Module):
         assert crow is not None and col is not None
         M, K = self.out_features, self.in_features
         if _needs_grad(x, values, bias):
-            x2 = x if x.ndim == 2 else x.reshape(-1, K)
-            y = custom_ops.linear(crow, col, values, x2, bias, M, K, False)
+            y = custom_ops.linear(crow, col, values, dispatch.rows(x), bias, M, K, False)
             return y if x.ndim == 2 else y.reshape(*x.shape[:-1], M)
         if torch.compiler.is_compiling():  # (traceable: the plain op, no autograd layers)
             return custom_ops.linear_product_op(crow, col, values, x, bias, M, K, False)
