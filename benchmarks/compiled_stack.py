@@ -1,13 +1,15 @@
-"""What a ``BSRLinear`` costs inside a compiled model: a stack of K layers under ``torch.compile`` (one
-graph, so that the graph's own call and guards are shared by the K layers, as in a model), against the
-same stack eager and the chain of ``bsrkit.bsr_dense_mm`` products on the same weights, with the dense
-``nn.Linear`` stack, eager and compiled, as the reference for what compiling costs a layer anyway.
+"""What a ``BSRLinear`` costs inside a compiled model: stacks of K layers under ``torch.compile`` (one
+graph each, as in a model), against the same stacks eager and the chain of ``bsrkit.bsr_dense_mm``
+products on the same weights (eager, and inside a compiled function), with the dense ``nn.Linear``
+stacks, eager and compiled, as the reference for what compiling costs a layer anyway.
 
     .venv/bin/python benchmarks/compiled_stack.py [--n 1024] [--blocksize 32] [--density 0.1]
-        [--tokens 1] [--layers 8] [--rounds 9]
+        [--tokens 1] [--layers 4 16] [--rounds 9]
 
-float32, no grad, ``--threads``; µs per layer (a stack's time over K), medians over rounds, the methods
-alternating round by round, each round a loop of >= 300 stack calls.
+Each method runs at two depths K1 < K2 (``--layers``): its cost *a layer* is the slope ``(t(K2) -
+t(K1)) / (K2 - K1)``, which leaves out what a call costs once whatever its depth (a compiled graph's
+entry, guards evaluation and wrappers: shown as "per call"). float32, no grad, ``--threads``; medians
+over rounds, the methods and depths alternating round by round, each round a loop of >= 100 calls.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -32,57 +35,74 @@ def main() -> int:
     ap.add_argument("--blocksize", type=int, default=32)
     ap.add_argument("--density", type=float, default=0.1)
     ap.add_argument("--tokens", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, nargs=2, default=(4, 16), metavar=("K1", "K2"))
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    k1, k2 = args.layers
+    if not 0 < k1 < k2:
+        ap.error(f"--layers: expected two depths 0 < K1 < K2, got {k1} {k2}")
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     torch.manual_seed(0)
-    n, K = args.n, args.layers
-    sparse = torch.nn.Sequential(*[BSRLinear(n, n, args.blocksize, bias=False, density=args.density)
-                                   for _ in range(K)])  # fmt: skip
-    dense = torch.nn.Sequential(*[torch.nn.Linear(n, n, bias=False) for _ in range(K)])
+    n = args.n
+    sparse = [BSRLinear(n, n, args.blocksize, bias=False, density=args.density) for _ in range(k2)]
+    dense = [torch.nn.Linear(n, n, bias=False) for _ in range(k2)]
     bsrs = [
         torch.sparse_bsr_tensor(layer.crow_indices, layer.col_indices, layer.values.detach(), size=(n, n))
         for layer in sparse
     ]
     x = torch.randn(args.tokens, n)
 
-    def mm_chain() -> torch.Tensor:  # (W y^T, as the layer computes it)
-        y = x
-        for b in bsrs:
-            y = bsrkit.bsr_dense_mm(b, y.mT).mT
-        return y
+    def mm_chain(k: int, compiled: bool = False) -> Callable[[], torch.Tensor]:
+        def chain() -> torch.Tensor:  # (W y^T, as the layer computes it)
+            y = x
+            for b in bsrs[:k]:
+                y = bsrkit.bsr_dense_mm(b, y.mT).mT
+            return y
 
-    compiled_sparse = torch.compile(sparse, fullgraph=True)
-    compiled_dense = torch.compile(dense, fullgraph=True)
-    methods = {
+        # (compiled: bsr_dense_mm takes BSR tensors, which dynamo does not trace: a graph break a product)
+        return torch.compile(chain) if compiled else chain
+
+    def stack(layers: list[torch.nn.Module], k: int, compiled: bool) -> Callable[[], torch.Tensor]:
+        model = torch.nn.Sequential(*layers[:k])
+        run = torch.compile(model, fullgraph=True) if compiled else model
+        return lambda: run(x)
+
+    depths = (k1, k2)
+    methods: dict[str, Callable[[int], Callable[[], torch.Tensor]]] = {
         "bsr_dense_mm chain": mm_chain,
-        "BSRLinear stack": lambda: sparse(x),
-        "compiled stack": lambda: compiled_sparse(x),
-        "nn.Linear stack": lambda: dense(x),
-        "compiled dense": lambda: compiled_dense(x),
+        "compiled chain": lambda k: mm_chain(k, True),
+        "BSRLinear stack": lambda k: stack(sparse, k, False),
+        "compiled stack": lambda k: stack(sparse, k, True),
+        "nn.Linear stack": lambda k: stack(dense, k, False),
+        "compiled dense": lambda k: stack(dense, k, True),
     }
-    for method in methods.values():
+    calls = {(name, k): make(k) for name, make in methods.items() for k in depths}
+    for call in calls.values():
         for _ in range(20):  # (compiles, prepares, warms)
-            method()
-    times: dict[str, list[float]] = {name: [] for name in methods}
+            call()
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
     for _ in range(args.rounds):
-        for name, method in methods.items():
-            times[name].append(1e6 * seconds_per_call(method, 300) / K)
-    med = {name: statistics.median(t) for name, t in times.items()}
+        for key, call in calls.items():
+            times[key].append(1e6 * seconds_per_call(call, max(100, 4800 // key[1])))
+    med = {key: statistics.median(t) for key, t in times.items()}
+    per_layer = {name: (med[name, k2] - med[name, k1]) / (k2 - k1) for name in methods}
     print(
-        f"{K} layers {n} x {n}, blocksize {args.blocksize}, density {args.density}, N = {args.tokens}, "
-        f"{torch.get_num_threads()} threads: µs a layer, median of {args.rounds} rounds"
+        f"layers {n} x {n}, blocksize {args.blocksize}, density {args.density}, N = {args.tokens}, "
+        f"{torch.get_num_threads()} threads, stacks of {k1} and {k2}: µs, medians of {args.rounds} rounds"
     )
-    for name, t in med.items():
-        print(f"{name:>20}: {t:7.1f}")
-    print(
-        f"compiled stack - BSRLinear stack {med['compiled stack'] - med['BSRLinear stack']:+.1f}, "
-        f"BSRLinear stack - bsr_dense_mm chain {med['BSRLinear stack'] - med['bsr_dense_mm chain']:+.1f}; "
-        f"compiled dense - nn.Linear stack {med['compiled dense'] - med['nn.Linear stack']:+.1f}"
+    print(f"{'':>20}  {'a layer':>8}  {'per call':>8}")
+    for name in methods:
+        print(f"{name:>20}  {per_layer[name]:8.1f}  {med[name, k1] - k1 * per_layer[name]:8.1f}")
+    pairs = (
+        ("compiled stack", "bsr_dense_mm chain"),
+        ("compiled stack", "compiled chain"),
+        ("compiled stack", "BSRLinear stack"),
+        ("BSRLinear stack", "bsr_dense_mm chain"),
+        ("compiled dense", "nn.Linear stack"),
     )
+    print("a layer: " + ", ".join(f"{a} - {b} {per_layer[a] - per_layer[b]:+.1f}" for a, b in pairs))
     return 0
 
 
