@@ -402,3 +402,62 @@ def test_evicted_values_die_outside_the_lock():
     th.start()
     th.join(10)
     assert log == [1, 1, "done"]
+
+
+class _Owner:
+    """A value that is not a container and lists what it owns (as bsrkit.plans.Pattern does)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.parts = [t, t]  # the same tensor twice: counted once
+        self.raw = b"12345"
+        self.unowned = torch.ones(100)  # not listed: not counted
+
+    def cache_footprint(self):
+        return (self.parts, {"raw": self.raw})
+
+
+def test_nbytes_counts_what_a_value_lists_once_and_bytes_objects():
+    @weak_lru_cache(maxsize=None)
+    def f(t):
+        return _Owner(t * 2)
+
+    t = torch.ones(10)  # 40 bytes
+    f(t)
+    assert f.cache_info().nbytes == 40 + 5
+
+
+def test_maxbytes_weighs_a_listed_footprint():
+    @weak_lru_cache(maxsize=None, maxbytes=100)
+    def f(t):
+        return _Owner(t * 2)
+
+    a, b, c = torch.ones(10), torch.ones(10), torch.ones(10)  # 45 bytes a value
+    f(a)
+    f(b)
+    f(c)  # 135 > 100: evicts a's
+    assert (f.cache_info().currsize, f.cache_info().nbytes) == (2, 90)
+
+
+def test_plan_cache_nbytes_counts_a_patterns_indices_and_the_plans_built_later():
+    import bsrkit
+    from bsrkit import plans
+    from bsrkit.cache import _nbytes, _value_arrays
+
+    plans.cache_clear()
+    crow, col = torch.tensor([0, 2, 3, 3]), torch.tensor([0, 2, 1])
+    values = torch.randn(3, 4, 4)
+    b = torch.sparse_bsr_tensor(crow, col, values, size=(12, 12))
+    bsrkit.bsr_dense_mm(b, torch.randn(12, 5))
+    first = plans.cache_info().nbytes
+    assert first >= crow.nbytes + col.nbytes  # (the pattern's validated copy of the indices, at least)
+    values.requires_grad_(True)
+    bt = torch.sparse_bsr_tensor(crow, col, values, size=(12, 12))
+    x = torch.randn(12, 5, requires_grad=True)
+    bsrkit.bsr_dense_mm(bt, x).sum().backward()  # (the backward builds the transpose plan of the pattern)
+    state = plans._plan._cache_state
+    info = plans.cache_info()
+    held = [e.cell[0] for e in state.entries.values()]
+    assert info.nbytes == sum(_nbytes(_value_arrays(v)) for v in held) > first
+    del b, bt, crow, col, values, x
+    gc.collect()
+    assert plans.cache_info().nbytes == 0

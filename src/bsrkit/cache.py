@@ -68,17 +68,27 @@ class CacheInfo(NamedTuple):
 
 
 def _value_arrays(value: Any) -> list[Any]:
-    """Tensors, storages and numpy arrays held by a value, looking inside tuples, lists and dicts."""
+    """Tensors, storages, numpy arrays and ``bytes`` held by a value, each once, looking inside tuples,
+    lists, dicts and objects whose class lists what they own (``cache_footprint(self)``, an iterable of
+    such values: a plan object that is not a container, e.g. :class:`bsrkit.plans.Pattern`)."""
     found: list[Any] = []
+    seen: set[int] = set()
     stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, (torch.Tensor, np.ndarray, torch.UntypedStorage)):
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if isinstance(v, (torch.Tensor, np.ndarray, torch.UntypedStorage, bytes, bytearray)):
             found.append(v)
         elif isinstance(v, (tuple, list)):
             stack.extend(v)
         elif isinstance(v, dict):
             stack.extend(v.values())
+        else:
+            footprint = getattr(type(v), "cache_footprint", None)
+            if footprint is not None:
+                stack.extend(footprint(v))
     return found
 
 
@@ -89,6 +99,8 @@ def _nbytes(arrays: list[Any]) -> int:
             total += a.nbytes
         elif isinstance(a, torch.UntypedStorage):
             total += a.nbytes()
+        elif isinstance(a, (bytes, bytearray)):
+            total += len(a)
         elif a.layout is torch.strided:
             total += a.untyped_storage().nbytes() if a.device.type == "meta" else a.nbytes
         else:  # sparse: count its member tensors
@@ -110,6 +122,8 @@ def _memory_of(a: Any) -> list[Any]:
     """The storages (or storage-less tensors) whose memory an array keeps alive."""
     if isinstance(a, torch.UntypedStorage):
         return [a]
+    if isinstance(a, (bytes, bytearray)):
+        return []
     if isinstance(a, np.ndarray):
         base = a.base
         while isinstance(base, np.ndarray):
@@ -382,6 +396,9 @@ class _CacheState:
             if self.dead:
                 self._sweep()
             entries = self.entries
+            for e in entries.values():  # (a value may have grown since: a pattern's plans are built later)
+                if 0 in e.cell:
+                    e.nbytes = _nbytes(_value_arrays(e.cell[0]))
             return CacheInfo(
                 self.hits,
                 self.misses,
@@ -514,9 +531,11 @@ def weak_lru_cache(
     maxsize:
         Most entries kept (LRU order); ``None`` for no bound.
     maxbytes:
-        Bound on the sum of ``nbytes`` of the tensors (and numpy arrays, storages) held in cached values,
-        looking inside tuples, lists and dicts; ``None`` for no bound. A single value larger than the
-        bound is returned but not stored.
+        Bound on the sum of ``nbytes`` of the tensors (and numpy arrays, storages, ``bytes``) held in
+        cached values, looking inside tuples, lists, dicts and objects whose class lists what they own
+        (a method ``cache_footprint(self)``); ``None`` for no bound. A single value larger than the bound
+        is returned but not stored. A value is weighed when stored; ``cache_info().nbytes`` weighs every
+        value as it is then (a value that grows, like a pattern's plans, counts what it holds now).
     verify_contents:
         Keep a copy of the tensor arguments' data with each entry (for a sparse compressed tensor, of its
         indices, which is what its key names) and compare it on every hit (see

@@ -91,8 +91,9 @@ def cached(name: str, source: Source, *params: Any) -> Any:
 def cache_info() -> CacheInfo:
     """Statistics of the shared plan cache: (hits, misses, maxsize, currsize, nbytes, dead_evictions,
     stale); ``stale`` counts hits refused because the index data changed since the plan was built.
-    ``nbytes`` counts the plans stored as entries, not those a pattern's entry builds later and holds
-    (:meth:`Pattern.plan`: the product's own plans, about the size of the indices)."""
+    ``nbytes`` counts what the entries hold now: the plans stored as entries, and in a pattern's entry
+    its validated copy of the indices and the plans built on it since (:meth:`Pattern.plan`), not the
+    copies the entries compare hits with (about the size of the indices each)."""
     return _plan.cache_info()  # type: ignore[attr-defined]
 
 
@@ -142,6 +143,12 @@ class Pattern:
         if plan is None:
             plan = self.plans[key] = _BUILDERS[name](self.source, *params)
         return plan
+
+    def cache_footprint(self) -> tuple[Any, ...]:
+        """What it owns, for the cache's ``nbytes``: the validated copy of the indices and the plans built
+        on it (the proof is the cache entry's own copy, which ``maxbytes`` does not count; the prepared
+        calls hold arrays of those plans)."""
+        return (self.indices, self.plans)
 
     def forget(self) -> None:
         """Drop the plans and prepared calls hung on it (a deferred proof found its index data changed:
