@@ -185,3 +185,19 @@ def test_tune_break_even_writes_an_entry_sparsify_reads(tmp_path, monkeypatch):
     entry = tuning.load_table(table)[break_even.table_key(tuning.cpu_device_name(), torch.float32, (16, 16))]
     assert 0.0 <= entry["density"] <= 1.0 and set(entry["ratios"]) == {"1", "512"}
     assert break_even.break_even_density("cpu", (16, 16)) == entry["density"]
+
+
+def test_a_module_used_twice_becomes_one_sparse_layer_at_both_places():
+    import torch
+    from torch import nn
+
+    import bsrkit
+
+    lin = nn.Linear(8, 8)
+    model = nn.Sequential(lin, nn.ReLU(), lin)
+    bsrkit.sparsify_(model, blocksize=4, density=0.5, force=True)
+    assert model[0] is model[2] and type(model[0]).__name__ == "BSRLinear"
+    W, b = model[0].to_dense(), model[0].bias
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), torch.relu(x @ W.T + b) @ W.T + b)

@@ -146,6 +146,11 @@ def sparsify_(
         raise ValueError(f"sparsify_(): expected criterion 'block_norm', got {criterion!r}")
     selected = filter_fn or default_filter((bo, bi), model)
     chosen = [(fqn, m) for fqn, m in model.named_modules() if fqn and selected(m, fqn)]
+    # A module used at several places is listed once above: every place gets the one sparse layer.
+    places: dict[int, list[str]] = {}
+    for fqn, m in model.named_modules(remove_duplicate=False):
+        if fqn:
+            places.setdefault(id(m), []).append(fqn)
     reports: list[LayerReport] = []
     dense_weights = stored_weights = 0
     for fqn, module in chosen:
@@ -167,7 +172,8 @@ def sparsify_(
             continue
         linear = module if isinstance(module, nn.Linear) else _as_linear(module)
         sparse = BSRLinear.from_dense(linear, (bo, bi), density)
-        _replace(model, fqn, sparse)
+        for place in places[id(module)]:
+            _replace(model, place, sparse)
         blocks = (features[0] // bo) * (features[1] // bi)
         dense_weights += features[0] * features[1]
         stored_weights += sparse.values.numel()
