@@ -188,11 +188,6 @@ def test_tune_break_even_writes_an_entry_sparsify_reads(tmp_path, monkeypatch):
 
 
 def test_a_module_used_twice_becomes_one_sparse_layer_at_both_places():
-    import torch
-    from torch import nn
-
-    import bsrkit
-
     lin = nn.Linear(8, 8)
     model = nn.Sequential(lin, nn.ReLU(), lin)
     bsrkit.sparsify_(model, blocksize=4, density=0.5, force=True)

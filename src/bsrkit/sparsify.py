@@ -145,15 +145,16 @@ def sparsify_(
     if criterion != "block_norm":
         raise ValueError(f"sparsify_(): expected criterion 'block_norm', got {criterion!r}")
     selected = filter_fn or default_filter((bo, bi), model)
-    chosen = [(fqn, m) for fqn, m in model.named_modules() if fqn and selected(m, fqn)]
-    # A module used at several places is listed once above: every place gets the one sparse layer.
-    places: dict[int, list[str]] = {}
+    # Every place of each module (one used at several places gets the one sparse layer at all of them),
+    # judged by the filter under its first name, as named_modules() lists it.
+    places: dict[int, tuple[Any, list[str]]] = {}
     for fqn, m in model.named_modules(remove_duplicate=False):
         if fqn:
-            places.setdefault(id(m), []).append(fqn)
+            places.setdefault(id(m), (m, []))[1].append(fqn)
+    chosen = [(fqns[0], m, fqns) for m, fqns in places.values() if selected(m, fqns[0])]
     reports: list[LayerReport] = []
     dense_weights = stored_weights = 0
-    for fqn, module in chosen:
+    for fqn, module, fqns in chosen:
         features = _features(module)
         if features is None:
             raise ValueError(
@@ -172,7 +173,7 @@ def sparsify_(
             continue
         linear = module if isinstance(module, nn.Linear) else _as_linear(module)
         sparse = BSRLinear.from_dense(linear, (bo, bi), density)
-        for place in places[id(module)]:
+        for place in fqns:
             _replace(model, place, sparse)
         blocks = (features[0] // bo) * (features[1] // bi)
         dense_weights += features[0] * features[1]
