@@ -124,8 +124,45 @@ def test_bad_arguments():
         BSRLinear(10, 8, 4)
     with pytest.raises(ValueError, match="density"):
         BSRLinear(8, 8, 4, density=2)
-    with pytest.raises(ValueError, match=r"expected x.shape\[-1\] == 8"):
+    with pytest.raises(ValueError, match=r"expected x of shape \(\*, 8\), got \(2, 7\)"):
         BSRLinear(8, 8, 4)(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("blocksize", [(4,), (4, 2, 1), 4.0, (4, 2.0), True, "4"])
+def test_a_blocksize_not_an_int_or_pair_is_named(blocksize):
+    with pytest.raises(TypeError, match=r"BSRLinear\(\): expected blocksize to be an int or a pair"):
+        BSRLinear(8, 8, blocksize)
+    with pytest.raises(TypeError, match=r"from_dense\(\): expected blocksize"):
+        BSRLinear.from_dense(torch.nn.Linear(8, 8), blocksize, 0.5)
+
+
+def test_a_blocksize_list_is_a_pair():
+    assert BSRLinear(8, 8, [4, 2]).blocksize == (4, 2)
+    with pytest.raises(ValueError, match="blocksize to be >= 1"):
+        BSRLinear(8, 8, (0, 2))
+
+
+@pytest.mark.parametrize("density", [1.5, -0.5, float("nan"), True, "0.5"])
+def test_from_dense_names_a_bad_density(density):
+    with pytest.raises(ValueError, match=r"BSRLinear.from_dense\(\): expected density"):
+        BSRLinear.from_dense(torch.nn.Linear(8, 8), 4, density)
+
+
+def test_an_integer_dtype_is_refused_by_name():
+    with pytest.raises(TypeError, match="floating-point dtype, got torch.int32"):
+        BSRLinear(8, 8, 4, dtype=torch.int32)
+
+
+def test_a_zero_dim_input_is_a_shape_error():
+    with pytest.raises(ValueError, match=r"expected x of shape \(\*, 8\), got \(\)"):
+        BSRLinear(8, 8, 4)(torch.tensor(1.0))
+
+
+def test_from_dense_of_a_meta_weight_says_why():
+    with torch.device("meta"):
+        linear = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="meta device"):
+        BSRLinear.from_dense(linear, 4, 0.5)
 
 
 def test_torch_compile_fullgraph_matches_eager():

@@ -381,6 +381,17 @@ def test_out_sharing_memory_with_dense_is_refused():
         bsrkit.bsr_dense_mm(bsr, d, out=d)
 
 
+def test_out_beside_dense_in_one_buffer_is_accepted():
+    """Two halves of one buffer share a storage but no memory: out may be one, dense the other."""
+    bsr = random_bsr((8, 8), (2, 2), 0.6)
+    buf = torch.randn(16, 5)
+    ref = reference.bsr_dense_mm(bsr, buf[:8])
+    bsrkit.bsr_dense_mm(bsr, buf[:8], out=buf[8:])
+    assert_close(buf[8:], ref, k=8)
+    with pytest.raises(ValueError, match="not to share memory with dense"):
+        bsrkit.bsr_dense_mm(bsr, buf[:8], out=buf[7:15])  # one row in common
+
+
 def test_bsr_made_in_inference_mode(product_path):
     """Inference tensors have no version counter: products on them run uncached, and are right."""
     with torch.inference_mode():

@@ -116,7 +116,11 @@ def test_filter_fn_takes_module_and_fqn_and_the_output_head_is_found():
         ({"blocksize": 8, "density": 1.5}, ValueError),
         ({"blocksize": 8, "density": True}, ValueError),
         ({"blocksize": 0, "density": 0.1}, ValueError),
-        ({"blocksize": (8, 8.0), "density": 0.1}, ValueError),
+        ({"blocksize": (8, 8.0), "density": 0.1}, TypeError),
+        ({"blocksize": (8,), "density": 0.1}, TypeError),
+        ({"blocksize": 8.0, "density": 0.1}, TypeError),
+        ({"blocksize": 8, "density": float("nan")}, ValueError),
+        ({"blocksize": 8, "density": "0.1"}, TypeError),
         ({"blocksize": 8, "density": 0.1, "criterion": "movement"}, ValueError),
         ({"blocksize": 8, "density": 0.1, "filter_fn": lambda m, fqn: fqn == "0"}, ValueError),  # 20 % 8
         ({"blocksize": 8, "density": 0.1, "filter_fn": lambda m, fqn: fqn == "1"}, ValueError),  # ReLU
@@ -129,6 +133,13 @@ def test_bad_arguments_raise_before_anything_changes(kwargs, error):
     assert isinstance(model[0], nn.Linear) and isinstance(model[2], nn.Linear)
     with pytest.raises(TypeError):
         sparsify_("not a model", blocksize=8, density=0.1)
+
+
+def test_a_model_on_the_meta_device_is_refused_by_name():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    with pytest.raises(ValueError, match="meta device"):
+        sparsify_(model, blocksize=8, density=0.25, force=True)
 
 
 def test_public_name():

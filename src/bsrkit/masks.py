@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from bsrkit.eager import eager_under_compile
+from bsrkit.validation import check_blocksize
 
 __all__ = [
     "block_local_mask",
@@ -20,21 +21,6 @@ __all__ = [
     "mask_from_dense",
     "sliding_window_mask",
 ]
-
-
-def _blocksize(op: str, blocksize: Any) -> tuple[int, int]:
-    bs = (
-        (blocksize, blocksize)
-        if isinstance(blocksize, int) and not isinstance(blocksize, bool)
-        else blocksize
-    )
-    if (
-        not isinstance(bs, tuple)
-        or len(bs) != 2
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in bs)
-    ):
-        raise ValueError(f"{op}(): expected blocksize to be an int >= 1 or a pair of them, got {blocksize!r}")
-    return bs
 
 
 def _from_intervals(
@@ -98,7 +84,7 @@ def sliding_window_mask(
     if left < 0 or right < 0:
         raise ValueError(f"{op}(): expected window sizes >= 0, got {window!r}")
     S = L if S is None else S
-    Ms, Ns = _blocksize(op, blocksize)
+    Ms, Ns = check_blocksize(op, blocksize)
     r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
     lo = (r * Ms - left).clamp(min=0)  # first and last allowed key column of the block row
     hi = (r * Ms + Ms - 1 + right).clamp(max=S - 1)
@@ -120,7 +106,7 @@ def causal_mask(
     """Query ``i`` attends to keys ``j <= i`` (top-left aligned, as ``is_causal`` in torch). O(nnz)."""
     op = "causal_mask"
     S = L if S is None else S
-    Ms, Ns = _blocksize(op, blocksize)
+    Ms, Ns = check_blocksize(op, blocksize)
     r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
     hi = (r * Ms + Ms - 1).clamp(max=S - 1)
     end = torch.where(hi >= 0, torch.div(hi, Ns, rounding_mode="floor") + 1, 0)
@@ -144,7 +130,7 @@ def block_local_mask(
     ``global_tokens`` queries attend to every key, and every query attends to the first
     ``global_tokens`` keys. O(nnz): each block row stores at most two runs of block columns."""
     op = "block_local_mask"
-    Ms, Ns = _blocksize(op, blocksize)
+    Ms, Ns = check_blocksize(op, blocksize)
     if neighbours < 0 or global_tokens < 0:
         raise ValueError(
             f"{op}(): expected neighbours >= 0 and global_tokens >= 0, got {neighbours}, {global_tokens}"
@@ -183,7 +169,7 @@ def mask_from_dense(mask: torch.Tensor, blocksize: int | tuple[int, int]) -> tor
         raise TypeError(f"{op}(): expected a strided bool tensor, got {got}")
     if mask.ndim < 2:
         raise ValueError(f"{op}(): expected mask of shape (*B, L, S), got {tuple(mask.shape)}")
-    Ms, Ns = _blocksize(op, blocksize)
+    Ms, Ns = check_blocksize(op, blocksize)
     *batch, L, S = mask.shape
     if L % Ms or S % Ns:
         raise ValueError(f"{op}(): expected the blocksize {(Ms, Ns)} to divide (L, S) == {(L, S)}")

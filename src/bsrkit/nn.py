@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from bsrkit import custom_ops, dispatch
-from bsrkit.validation import check_operand_dtypes, pattern_defect
+from bsrkit.validation import (
+    ArgumentTypeError,
+    check_blocksize,
+    check_density,
+    check_operand_dtypes,
+    pattern_defect,
+)
 
 __all__ = ["BSRLinear"]
 
@@ -27,13 +33,6 @@ def _needs_grad(x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
     return torch.is_grad_enabled() and (
         x.requires_grad or values.requires_grad or (bias is not None and bias.requires_grad)
     )
-
-
-def _pair(blocksize: int | tuple[int, int]) -> tuple[int, int]:
-    if isinstance(blocksize, int):
-        return blocksize, blocksize
-    bo, bi = blocksize
-    return int(bo), int(bi)
 
 
 class BSRLinear(nn.Module):
@@ -61,14 +60,15 @@ class BSRLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        bo, bi = _pair(blocksize)
-        if bo < 1 or bi < 1 or out_features % bo or in_features % bi:
+        bo, bi = check_blocksize("BSRLinear", blocksize)
+        check_density("BSRLinear", density)
+        if dtype is not None and not dtype.is_floating_point:
+            raise ArgumentTypeError(f"BSRLinear(): expected a floating-point dtype, got {dtype}")
+        if out_features % bo or in_features % bi:
             raise ValueError(
                 f"BSRLinear(): expected blocksize {(bo, bi)} to divide (out_features, in_features) = "
                 f"{(out_features, in_features)}"
             )
-        if not 0 <= density <= 1:
-            raise ValueError(f"BSRLinear(): expected density in [0, 1], got {density}")
         self.in_features, self.out_features, self.blocksize = in_features, out_features, (bo, bi)
         # The pattern is drawn on the CPU whatever the default device (under ``torch.device("meta")`` its
         # size could not be read); only the values and the buffers go to ``device``.
@@ -103,8 +103,15 @@ class BSRLinear(nn.Module):
     @classmethod
     def from_dense(cls, linear: nn.Linear, blocksize: int | tuple[int, int], density: float) -> BSRLinear:
         """Prune ``linear`` to the ``round(density * blocks)`` blocks of largest Frobenius norm."""
-        bo, bi = _pair(blocksize)
+        bo, bi = check_blocksize("BSRLinear.from_dense", blocksize)
+        check_density("BSRLinear.from_dense", density)
         w = linear.weight.detach()
+        if w.is_meta:
+            raise ValueError(
+                "BSRLinear.from_dense(): expected linear.weight to hold values (to rank its blocks), got a "
+                "tensor on the meta device; load the dense weights first (a sparse checkpoint loads with "
+                "bsrkit.load_sparse)"
+            )
         out_f, in_f = w.shape
         layer = cls(
             in_f, out_f, (bo, bi), bias=linear.bias is not None, density=0.0, device=w.device, dtype=w.dtype
@@ -136,9 +143,9 @@ class BSRLinear(nn.Module):
         return self.to_bsr().detach().to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
+        if not x.ndim or x.shape[-1] != self.in_features:
             raise ValueError(
-                f"BSRLinear.forward(): expected x.shape[-1] == {self.in_features}, got {x.shape[-1]}"
+                f"BSRLinear.forward(): expected x of shape (*, {self.in_features}), got {tuple(x.shape)}"
             )
         # (the tables Module.__getattr__ would search: 0.1 µs a read instead of 0.8, on every decode step)
         params, buffers = self._parameters, self._buffers

@@ -30,6 +30,7 @@ from bsrkit.validation import (
     check_same_dtype,
     check_scalar,
     check_strided,
+    may_share_memory,
 )
 
 __all__ = [
@@ -228,11 +229,7 @@ def checked_addmm(
             out = dense.new_empty(out_shape)
         else:
             out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
-    elif (
-        out.numel()
-        and dense.numel()
-        and out.untyped_storage().data_ptr() == dense.untyped_storage().data_ptr()
-    ):
+    elif may_share_memory(out, dense):
         # The kernels read dense while writing out: shared memory would give a silently wrong result.
         raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
     if not unproven:

@@ -22,6 +22,7 @@ from torch import nn
 
 from bsrkit.break_even import break_even_density
 from bsrkit.nn import BSRLinear
+from bsrkit.validation import check_blocksize, check_density
 
 __all__ = ["LayerReport", "SparsifySummary", "break_even_density", "default_filter", "sparsify_"]
 
@@ -135,13 +136,10 @@ def sparsify_(
     ``ValueError``. Unless ``force``, a layer stays dense where ``density`` is at or above
     :func:`break_even_density` for its device (the block-sparse product would be slower there).
     """
-    bo, bi = (blocksize, blocksize) if isinstance(blocksize, int) else tuple(blocksize)
     if not isinstance(model, nn.Module):
         raise TypeError(f"sparsify_(): expected model to be an nn.Module, got {type(model).__name__}")
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 <= density <= 1:
-        raise ValueError(f"sparsify_(): expected density to be a number in [0, 1], got {density!r}")
-    if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in (bo, bi)):
-        raise ValueError(f"sparsify_(): expected blocksize to be a positive int or pair, got {blocksize!r}")
+    bo, bi = check_blocksize("sparsify_", blocksize)
+    check_density("sparsify_", density)
     if criterion != "block_norm":
         raise ValueError(f"sparsify_(): expected criterion 'block_norm', got {criterion!r}")
     selected = filter_fn or default_filter((bo, bi), model)

@@ -18,7 +18,9 @@ __all__ = [
     "ArgumentTypeError",
     "MixedDtypeError",
     "broadcast_batch",
+    "check_blocksize",
     "check_bsr",
+    "check_density",
     "check_dtype",
     "check_max_grid",
     "check_meta",
@@ -29,6 +31,7 @@ __all__ = [
     "check_scalar",
     "check_strided",
     "indices_data_defect",
+    "may_share_memory",
     "pattern_defect",
 ]
 
@@ -133,6 +136,49 @@ def check_scalar(op: str, name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ArgumentTypeError(f"{op}(): expected {name} to be a real number, got {type(value).__name__}")
     return float(value)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_blocksize(op: str, blocksize: Any) -> tuple[int, int]:
+    """``b`` or ``(bo, bi)`` (a tuple or list), each an int >= 1, as ``(bo, bi)``."""
+    pair = (blocksize, blocksize) if _is_int(blocksize) else blocksize
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_is_int(b) for b in pair):
+        raise ArgumentTypeError(
+            f"{op}(): expected blocksize to be an int or a pair of ints, got {blocksize!r}"
+        )
+    if pair[0] < 1 or pair[1] < 1:
+        raise ValueError(f"{op}(): expected blocksize to be >= 1, got {blocksize!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def check_density(op: str, density: Any) -> float:
+    """A fraction of blocks: a real number in [0, 1] (NaN refused)."""
+    check_scalar(op, "density", density)
+    if not 0 <= density <= 1:
+        raise ValueError(f"{op}(): expected density in [0, 1], got {density!r}")
+    return float(density)
+
+
+def may_share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges ``a`` and ``b`` span on one storage intersect (bounds only, like
+    ``numpy.may_share_memory``: interleaved views that touch no common element count as sharing)."""
+    if not a.numel() or not b.numel():
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a_lo, a_hi), (b_lo, b_hi) = _byte_span(a), _byte_span(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    lo = hi = int(t.storage_offset())
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        reach = int((size - 1) * stride)
+        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+    return lo * t.element_size(), (hi + 1) * t.element_size()
 
 
 def check_meta(op: str, meta: Any) -> None:
