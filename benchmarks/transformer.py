@@ -9,6 +9,7 @@ a scoring pass); decode is greedy with a KV cache.
 
     python benchmarks/transformer.py                                  # the issue-25 model, 2 threads
     python benchmarks/transformer.py --layers 2 --hidden 256 --intermediate 704 --prefill 128  # small
+    python benchmarks/transformer.py --compile    # every model's forward under torch.compile
 
 Memory: the bytes of each model's parameters and buffers, and the resident memory one prefill adds at
 its peak (Linux). Every figure is a median over ``--repeats`` runs; the methods alternate run by run, so
@@ -45,6 +46,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--check", action="store_true", help="also compare logits with the pruned dense twin")
+    ap.add_argument("--compile", action="store_true", help="every model's forward under torch.compile")
     ap.add_argument(
         "--all-logits", action="store_true", help="prefill computes every position's logits (a scoring pass)"
     )
@@ -54,10 +56,12 @@ def main() -> int:
     dense = build(config)
     params = sum(p.numel() for p in dense.parameters())
     print(f"LLaMA-style model: {params / 1e6:.0f} M parameters, {args.layers} layers, hidden {args.hidden}, "
-          f"{torch.get_num_threads()} threads, float32, blocksize {args.blocksize}")  # fmt: skip
+          f"{torch.get_num_threads()} threads, float32, blocksize {args.blocksize}"
+          f"{', every forward under torch.compile' if args.compile else ''}")  # fmt: skip
     rows, models = compare(
         dense, args.densities, blocksize=args.blocksize, prefill=args.prefill, prompt=args.prompt,
         decode=args.decode, repeats=args.repeats, all_logits=args.all_logits,
+        compile_backend="inductor" if args.compile else None,
     )  # fmt: skip
     print(format_rows(rows))
     if args.check:

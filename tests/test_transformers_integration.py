@@ -101,3 +101,24 @@ def test_the_timed_prefill_asks_for_the_last_logits_only_as_generate_does():
     model_demo.prefill_seconds(model, tokens)
     model_demo.prefill_seconds(model, tokens, all_logits=True)
     assert seen == [1, 12]
+
+
+def test_the_model_comparison_can_compile_every_forward():
+    """``compare(compile_backend=...)`` (``benchmarks/transformer.py --compile``) times every model,
+    the dense one included, through ``torch.compile``, and the compiled sparsified model gives the
+    eager one's logits."""
+    from bsrkit import model_demo
+
+    dense = model_demo.build(model_demo.ModelConfig(64, 176, 1, 2, 2, 100))
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    rows, models = model_demo.compare(
+        dense, [0.25], blocksize=16, prefill=12, prompt=6, decode=2, repeats=1, compile_backend="eager"
+    )
+    assert [r.name for r in rows] == ["dense (SDPA)", "density 0.25 (7 layers)"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before
+    sparse = models["density 0.25 (7 layers)"]
+    assert "forward" in vars(sparse) and "forward" in vars(dense)  # (the compiled ones)
+    tokens = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        compiled, eager = sparse(tokens).logits, type(sparse).forward(sparse, tokens).logits
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,9 @@ bsrkit (``attn_implementation="bsrkit"``), against the same dense model on trans
 
 Each model sees the same prompt; prefill is the prompt's forward pass as ``generate`` runs it (the last
 position's logits only); decode is greedy with a KV cache. The methods alternate run by run, so
-that a shared machine's load hits them alike; every time is a median over the runs.
+that a shared machine's load hits them alike; every time is a median over the runs. With
+``compile_backend``, every model's ``forward`` (the dense one's too) runs under ``torch.compile`` on that
+backend (dynamic shapes: the KV cache grows a token a step), compiled in the warm-up run.
 """
 
 from __future__ import annotations
@@ -144,9 +146,11 @@ def compare(
     decode: int = 32,
     repeats: int = 3,
     all_logits: bool = False,
+    compile_backend: str | None = None,
 ) -> tuple[list[Row], dict[str, Any]]:
     """Time the dense model and its sparsified copies at ``densities`` (module docstring; ``all_logits``
-    as :func:`prefill_seconds`); return the rows and the copies (by row name)."""
+    as :func:`prefill_seconds`); return the rows and the copies (by row name). ``compile_backend``: each
+    model's ``forward`` (``dense``'s included) is replaced by its ``torch.compile`` on that backend."""
     from bsrkit.benchmarking import peak_rss_mib
 
     vocab = dense.config.vocab_size
@@ -157,14 +161,20 @@ def compare(
     for d in densities:
         sparse, summary = sparsified(dense, blocksize, d)
         models[f"density {d} ({summary.swapped} layers)"] = sparse
+    if compile_backend is not None:  # (after the copies: each compiles its own forward)
+        for model in models.values():
+            model.forward = torch.compile(model.forward, dynamic=True, backend=compile_backend)
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in models}
-    for model in models.values():  # warm-up: compiles, plans, caches
-        prefill_seconds(model, long, all_logits)
-        decode_seconds(model, start, 2)
-    for _ in range(repeats):
-        for name, model in models.items():
-            times[name][0].append(prefill_seconds(model, long, all_logits))
-            times[name][1].append(decode_seconds(model, start, decode))
+    # The models share their forwards' code (transformers wraps each in one decorator's function), and
+    # Dynamo's limit of 8 compiled variants a code object counts them all (6-8 a model here).
+    with torch._dynamo.config.patch(recompile_limit=16 * len(models)):
+        for model in models.values():  # warm-up: compiles, plans, caches
+            prefill_seconds(model, long, all_logits)
+            decode_seconds(model, start, 2)
+        for _ in range(repeats):
+            for name, model in models.items():
+                times[name][0].append(prefill_seconds(model, long, all_logits))
+                times[name][1].append(decode_seconds(model, start, decode))
     base_p, base_d = (statistics.median(t) for t in times["dense (SDPA)"])
     rows = []
     for name, model in models.items():
