@@ -207,3 +207,25 @@ def test_a_module_used_twice_becomes_one_sparse_layer_at_both_places():
     x = torch.randn(2, 8)
     with torch.no_grad():
         torch.testing.assert_close(model(x), torch.relu(x @ W.T + b) @ W.T + b)
+
+
+def test_layers_tied_to_one_weight_stay_tied():
+    """Two modules holding one weight (each with its own bias) share the pruned blocks and pattern: a
+    training step moves both, and the summary counts the weight once."""
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.ReLU(), b)
+    summary = bsrkit.sparsify_(model, blocksize=4, density=0.5, force=True)
+    first, second = model[0], model[2]
+    assert first is not second and first.values is second.values
+    assert first.col_indices is second.col_indices and first.crow_indices is second.crow_indices
+    assert first.bias is not second.bias and summary.dense_weights == 64 and summary.stored_weights == 32
+    x = torch.randn(3, 8)
+    model(x).square().sum().backward()
+    W = first.to_dense()
+    Wd = W.clone().requires_grad_()
+    (torch.relu(x @ Wd.T + first.bias) @ Wd.T + second.bias).square().sum().backward()
+    # both uses' gradients, in the one parameter: the dense twin's gradient on the stored blocks
+    grad = torch.sparse_bsr_tensor(first.crow_indices, first.col_indices, first.values.grad, size=(8, 8))
+    torch.testing.assert_close(grad.to_dense(), Wd.grad * (W != 0))
+    assert len(list(model.parameters())) == 3  # values once, two biases

@@ -134,7 +134,9 @@ def sparsify_(
     ``blocksize`` is ``b`` or ``(bo, bi)`` (output x input features per block). ``filter_fn`` defaults to
     :func:`default_filter`. A selected layer whose shape the blocksize does not divide raises
     ``ValueError``. Unless ``force``, a layer stays dense where ``density`` is at or above
-    :func:`break_even_density` for its device (the block-sparse product would be slower there).
+    :func:`break_even_density` for its device (the block-sparse product would be slower there). Layers
+    that share one weight (tied) share their stored blocks and pattern (each keeps its own bias); the
+    summary counts a shared weight once.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"sparsify_(): expected model to be an nn.Module, got {type(model).__name__}")
@@ -152,6 +154,10 @@ def sparsify_(
     chosen = [(fqns[0], m, fqns) for m, fqns in places.values() if selected(m, fqns[0])]
     reports: list[LayerReport] = []
     dense_weights = stored_weights = 0
+    # The first sparse layer built from each weight, by orientation: a later module holding the same
+    # weight (tied, as an encoder's and a decoder's projections can be) shares its blocks and pattern, so
+    # the tie holds through fine-tuning and the blocks are stored once.
+    built_from: dict[tuple[bool, int], BSRLinear] = {}
     for fqn, module, fqns in chosen:
         features = _features(module)
         if features is None:
@@ -171,11 +177,16 @@ def sparsify_(
             continue
         linear = module if isinstance(module, nn.Linear) else _as_linear(module)
         sparse = BSRLinear.from_dense(linear, (bo, bi), density)
+        tied = built_from.setdefault((isinstance(module, nn.Linear), id(weight)), sparse)
+        if tied is not sparse:  # (the same weight pruned the same way: the same blocks)
+            sparse.values, sparse.crow_indices = tied.values, tied.crow_indices
+            sparse.col_indices = tied.col_indices
+        else:
+            dense_weights += features[0] * features[1]
+            stored_weights += sparse.values.numel()
         for place in fqns:
             _replace(model, place, sparse)
         blocks = (features[0] // bo) * (features[1] // bi)
-        dense_weights += features[0] * features[1]
-        stored_weights += sparse.values.numel()
         reports.append(LayerReport(fqn, features, sparse.values.shape[-3] / blocks if blocks else 0.0))
     return SparsifySummary(tuple(reports), dense_weights, stored_weights)
 
