@@ -162,6 +162,31 @@ def test_save_sparse_writes_tied_parameters_once(tmp_path):
     assert torch.equal(loaded(tokens), model(tokens))
 
 
+def test_sparse_layers_sharing_one_weight_load_sharing_it(tmp_path):
+    """Tied linear layers share their blocks after sparsify_; the file holds them once and loading ties
+    the layers' blocks and pattern again."""
+
+    class TwoUses(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model = TwoUses()
+    sparsify_(model, blocksize=8, density=0.5, force=True)
+    save_sparse(model, tmp_path / "two.safetensors")
+    assert read_sparse_metadata(tmp_path / "two.safetensors")["tied"]["b.values"] == "a.values"
+    loaded = load_sparse(TwoUses, tmp_path / "two.safetensors")
+    assert loaded.a.values is loaded.b.values and loaded.a.bias is not loaded.b.bias
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
 # -- files that do not match ------------------------------------------------------------------------------
 
 
