@@ -62,13 +62,11 @@ def linear_product(
                 a = shortcuts.kept_operand(weight, compare=unproven)
                 if a is not None:
                     done = dispatch.rerun_weight_call(a, call, x, y, unproven)
-        except shortcuts.StalePattern:  # (changed index data: rebuilt and revalidated below)
+        except shortcuts.StalePattern:
             remembered = call.remembered
             stale = a if a is not None or remembered is None else remembered[0]
             call.remembered = None
-            if stale is not None:
-                shortcuts.forget_operand(weight, stale)
-            a = None
+            a = Operand.after_stale(weight, stale, _OP, "weight")
     if not done:
         if a is None:
             a = Operand.of(weight, _OP, "weight")  # (validates the pattern once; errors name the weight)

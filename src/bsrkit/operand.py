@@ -79,6 +79,18 @@ class Operand(NamedTuple):
         return a
 
     @classmethod
+    def after_stale(
+        cls, bsr: torch.Tensor, stale: Operand | None, op: str = "bsrkit", name: str = "bsr"
+    ) -> Operand:
+        """``bsr``'s operand rebuilt after a deferred proof found its index data changed
+        (:class:`bsrkit.shortcuts.StalePattern`): ``stale`` and what hangs on its pattern are dropped,
+        and the pattern is judged again (a malformed one raises ``ValueError`` here). The one recovery
+        of every product that takes the deferred proof; it then computes again."""
+        if stale is not None:
+            shortcuts.forget_operand(bsr, stale)
+        return cls.of(bsr, op, name)
+
+    @classmethod
     def parts(
         cls,
         crow: torch.Tensor,

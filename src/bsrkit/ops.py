@@ -242,11 +242,8 @@ def checked_addmm(
             op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked, True
         )
     except shortcuts.StalePattern:
-        # The kept operand's index data changed since it was judged: drop it and what hangs on its
-        # pattern, rebuild it (revalidating the pattern: a malformed one raises ValueError here) and
-        # compute again. (Only products that overwrite out take the deferred proof: out is written anew.)
-        shortcuts.forget_operand(bsr, a)
-        a = Operand.of(bsr, op)
+        # (Only products that overwrite out take the deferred proof: out is written anew.)
+        a = Operand.after_stale(bsr, a, op)
         return dispatch.addmm(
             op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked
         )
