@@ -258,8 +258,10 @@ def test_tensor_parallel_on_one_rank_is_the_layer(world_of_one):
     assert gathered.state_dict().keys() == reference[0].state_dict().keys()
     for key, value in reference[0].state_dict().items():
         assert torch.equal(gathered.state_dict()[key], value), key
-    with pytest.raises(ValueError, match=r"forward\(\): expected x.shape\[-1\] == 32, got 31"):
+    with pytest.raises(ValueError, match=r"forward\(\): expected x of shape \(\*, 32\), got \(2, 31\)"):
         tp_model(torch.randn(2, 31))
+    with pytest.raises(ValueError, match=r"forward\(\): expected x of shape \(\*, 32\), got \(\)"):
+        tp_model(torch.tensor(1.0))
     with pytest.raises(TypeError, match="expected a BSRLinear, got Linear"):
         BlockRowParallelBSRLinear(torch.nn.Linear(4, 4))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expected a ProcessGroup, a 1-D DeviceMesh or None, got str"):

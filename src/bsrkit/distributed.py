@@ -218,10 +218,10 @@ class BlockRowParallelBSRLinear(nn.Module):
         return (self.row_splits[self.rank + 1] - self.row_splits[self.rank]) * self.blocksize[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
+        if not x.ndim or x.shape[-1] != self.in_features:
             raise ValueError(
-                f"BlockRowParallelBSRLinear.forward(): expected x.shape[-1] == {self.in_features}, "
-                f"got {x.shape[-1]}"
+                f"BlockRowParallelBSRLinear.forward(): expected x of shape (*, {self.in_features}), "
+                f"got {tuple(x.shape)}"
             )
         lead = x.shape[:-1]
         x2 = _ReplicatedInput.apply(x.reshape(-1, self.in_features), self.group)
