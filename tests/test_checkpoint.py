@@ -187,6 +187,27 @@ def test_sparse_layers_sharing_one_weight_load_sharing_it(tmp_path):
         assert torch.equal(loaded(x), model(x))
 
 
+def test_a_module_used_at_two_places_loads_as_one_layer_at_both(tmp_path):
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+            self.b = self.a
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Twice()
+    sparsify_(model, blocksize=8, density=0.5, force=True)
+    save_sparse(model, tmp_path / "twice.safetensors")
+    loaded = load_sparse(Twice, tmp_path / "twice.safetensors")
+    assert loaded.a is loaded.b and isinstance(loaded.a, BSRLinear)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
 # -- files that do not match ------------------------------------------------------------------------------
 
 

@@ -380,3 +380,46 @@ def test_no_leak_over_2000_steps_of_changing_patterns():
         assert max(s[column] for s in samples) <= 32, name  # (far below the bounds: 256, 1024)
     assert max(s[4] for s in late) - max(s[4] for s in early) < 500  # Python objects
     assert late[-1][5] - early[-1][5] < 16  # MB of resident memory
+
+
+@pytest.mark.parametrize("sparse_below", [0.5, None])
+def test_a_module_used_at_two_places_is_pruned_and_swapped_at_both(sparse_below):
+    """One nn.Linear used twice: both places train on the one pruned layer (its parameters in the
+    optimizer), block-sparse below ``sparse_below`` and after ``finalize``."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32).double()
+    model = nn.Sequential(lin, nn.ReLU(), lin)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pruner = GradualPruner(
+        model, opt, blocksize=8, target_density=0.25, start_step=0, end_step=1, every=1,
+        sparse_below=sparse_below,
+    )  # fmt: skip
+    x, y = torch.randn(16, 32, dtype=torch.float64), torch.randn(16, 32, dtype=torch.float64)
+    for _ in range(3):
+        loss = (model(x) - y).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        pruner.step()
+    pruner.finalize()
+    assert model[0] is model[2] and isinstance(model[0], BSRLinear)
+    trained = {id(p) for group in opt.param_groups for p in group["params"]}
+    assert all(id(p) in trained for p in model.parameters())
+    W, b = model[0].to_dense(), model[0].bias
+    assert (block_view(W, (8, 8)).abs().sum((-1, -2)) > 0).double().mean() == 0.25
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), torch.relu(x @ W.T + b) @ W.T + b)
+
+
+def test_tied_layers_are_refused_by_name():
+    a, b = nn.Linear(16, 16), nn.Linear(16, 16)
+    b.weight = a.weight
+    model = nn.Sequential(a, nn.ReLU(), b)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'0' and '2' share one weight"):
+        GradualPruner(model, opt, blocksize=8, target_density=0.5, start_step=0, end_step=2, every=1)
+    pruner = GradualPruner(  # one of them selected: allowed
+        model, opt, blocksize=8, target_density=0.5, start_step=0, end_step=2, every=1,
+        filter_fn=lambda m, fqn: fqn == "0",
+    )  # fmt: skip
+    assert list(pruner.densities()) == ["0"]

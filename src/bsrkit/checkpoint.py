@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from bsrkit.nn import BSRLinear
+from bsrkit.places import module_places, put
 
 __all__ = ["load_sparse", "parameters_on_meta", "read_sparse_metadata", "save_sparse"]
 
@@ -174,7 +175,8 @@ def parameters_on_meta() -> Iterator[None]:
 def _swap_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
     """Replace each recorded layer of ``model`` by a ``BSRLinear`` of the recorded nnz on ``meta`` (all
     checked first: a model that does not match is left as it was)."""
-    swaps: list[tuple[str, BSRLinear]] = []
+    swaps: list[tuple[list[str], BSRLinear]] = []
+    places = module_places(model)
     for fqn, spec in layers.items():
         try:
             module = model.get_submodule(fqn)
@@ -208,10 +210,10 @@ def _swap_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
         )
         layer.values = nn.Parameter(layer.values.new_empty((spec["nnz"], bo, bi)))
         layer.col_indices = layer.col_indices.new_empty(spec["nnz"])
-        swaps.append((fqn, layer))
-    for fqn, layer in swaps:
-        parent_name, _, name = fqn.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, name, layer)
+        # (a module used at several places is one layer at all of them, as sparsify_ made it)
+        swaps.append((places[id(module)][1] if id(module) in places else [fqn], layer))
+    for fqns, layer in swaps:
+        put(model, fqns, layer)
 
 
 def _materialise_buffers(model: nn.Module, device: torch.device) -> None:

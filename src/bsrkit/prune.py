@@ -54,8 +54,10 @@ from torch import nn
 
 from bsrkit import repattern
 from bsrkit.nn import BSRLinear
+from bsrkit.places import module_places, put
 from bsrkit.regrow import DenseGradient, RigL, drop_and_grow
 from bsrkit.sparsify import break_even_density, default_filter
+from bsrkit.validation import check_blocksize
 
 __all__ = ["GradualPruner", "RigL", "cubic_density"]
 
@@ -73,6 +75,7 @@ def cubic_density(step: int, start_step: int, end_step: int, target_density: flo
 @dataclasses.dataclass
 class _Layer:
     fqn: str
+    places: list[str]  # every name of the module (fqn first): a module used twice is swapped at both
     module: nn.Linear | BSRLinear
     mask: torch.Tensor  # (out / bo, in / bi) bool: kept blocks
     score: torch.Tensor  # (out / bo, in / bi) float32: accumulated movement (movement criterion)
@@ -116,9 +119,7 @@ class GradualPruner:
         regrow: RigL | None = None,
     ) -> None:
         op = "GradualPruner()"
-        bo, bi = (blocksize, blocksize) if isinstance(blocksize, int) else tuple(blocksize)
-        if not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in (bo, bi)):
-            raise ValueError(f"{op}: expected blocksize to be a positive int or pair, got {blocksize!r}")
+        bo, bi = check_blocksize("GradualPruner", blocksize)
         if isinstance(target_density, bool) or not isinstance(target_density, (int, float)):
             raise TypeError(
                 f"{op}: expected target_density to be a number, got {type(target_density).__name__}"
@@ -152,8 +153,10 @@ class GradualPruner:
         self.steps = 0
         selected = filter_fn or default_filter((bo, bi), model)
         self._layers: list[_Layer] = []
-        for fqn, module in model.named_modules():
-            if not fqn or not selected(module, fqn):
+        weights: dict[int, str] = {}
+        for module, fqns in module_places(model).values():
+            fqn = fqns[0]
+            if not selected(module, fqn):
                 continue
             if not isinstance(module, nn.Linear):
                 raise ValueError(
@@ -164,6 +167,12 @@ class GradualPruner:
                 raise ValueError(
                     f"{op}: expected blocksize {(bo, bi)} to divide the (out, in) features of {fqn!r}, got "
                     f"{(out_f, in_f)}"
+                )
+            tied = weights.setdefault(id(module.weight), fqn)
+            if tied != fqn:
+                raise ValueError(
+                    f"{op}: {tied!r} and {fqn!r} share one weight (tied), and each layer is pruned on its "
+                    "own: untie them, or select one of them with filter_fn"
                 )
             grid = (out_f // bo, in_f // bi)
             device = module.weight.device
@@ -176,6 +185,7 @@ class GradualPruner:
             self._layers.append(
                 _Layer(
                     fqn,
+                    fqns,
                     module,
                     torch.ones(grid, dtype=torch.bool, device=device),
                     torch.zeros(grid, dtype=torch.float32, device=device),
@@ -280,9 +290,7 @@ class GradualPruner:
             layer.score.masked_fill_(new & ~old, 0.0)  # a regrown block's movement starts again
         if module is layer.module:
             return
-        parent_name, _, name = layer.fqn.rpartition(".")
-        parent: Any = self.model.get_submodule(parent_name) if parent_name else self.model
-        setattr(parent, name, module)
+        put(self.model, layer.places, module)
         layer.module = module
         if layer.capture is not None:
             layer.capture.remove()

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
 from bsrkit.break_even import break_even_density
 from bsrkit.nn import BSRLinear
+from bsrkit.places import module_places, put
 from bsrkit.validation import check_blocksize, check_density
 
 __all__ = ["LayerReport", "SparsifySummary", "break_even_density", "default_filter", "sparsify_"]
@@ -147,11 +147,7 @@ def sparsify_(
     selected = filter_fn or default_filter((bo, bi), model)
     # Every place of each module (one used at several places gets the one sparse layer at all of them),
     # judged by the filter under its first name, as named_modules() lists it.
-    places: dict[int, tuple[Any, list[str]]] = {}
-    for fqn, m in model.named_modules(remove_duplicate=False):
-        if fqn:
-            places.setdefault(id(m), (m, []))[1].append(fqn)
-    chosen = [(fqns[0], m, fqns) for m, fqns in places.values() if selected(m, fqns[0])]
+    chosen = [(fqns[0], m, fqns) for m, fqns in module_places(model).values() if selected(m, fqns[0])]
     reports: list[LayerReport] = []
     dense_weights = stored_weights = 0
     # The first sparse layer built from each weight, by orientation: a later module holding the same
@@ -169,7 +165,7 @@ def sparsify_(
                 f"sparsify_(): expected blocksize {(bo, bi)} to divide the (out, in) features of {fqn!r}, "
                 f"got {features}"
             )
-        weight: torch.Tensor = module.weight
+        weight: torch.Tensor = module.weight  # type: ignore[assignment]
         limit = break_even_density(weight.device, (bo, bi), weight.dtype)
         if not force and density >= limit:
             reason = f"density {density} >= break-even {limit:.2f} on {module.weight.device.type}"
@@ -184,14 +180,7 @@ def sparsify_(
         else:
             dense_weights += features[0] * features[1]
             stored_weights += sparse.values.numel()
-        for place in fqns:
-            _replace(model, place, sparse)
+        put(model, fqns, sparse)
         blocks = (features[0] // bo) * (features[1] // bi)
         reports.append(LayerReport(fqn, features, sparse.values.shape[-3] / blocks if blocks else 0.0))
     return SparsifySummary(tuple(reports), dense_weights, stored_weights)
-
-
-def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    parent_name, _, name = fqn.rpartition(".")
-    parent: Any = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, name, new)
