@@ -86,9 +86,10 @@ def test_indices_data_cached_and_never_stale():
     c = bsrkit.bsr_scatter_mm_indices_data(bsr, other)
     assert_close(bsrkit.bsr_scatter_mm(bsr, other, c), reference.bsr_scatter_mm(bsr, other))
     info = bsrkit.cache_info()
-    # Each indices-data call: the pattern's verdict and the indices data; the product: their verdict
-    # and the CPU backend's gemm list (one entry each, on the indices data's tensors).
-    assert (info.hits, info.misses) == (2, 6)
+    # Each indices-data call: the pattern's verdict and the indices data; the product: the same two (hits:
+    # its check that the indices data are the pattern's), their verdict and the CPU backend's gemm list
+    # (one entry each, on the indices data's tensors).
+    assert (info.hits, info.misses) == (4, 6)
 
 
 def test_errors():
@@ -308,6 +309,8 @@ def test_negative_int32_offsets_name_the_overflow():
     data = list(bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format="bsr_strided_mm"))
     data[-2] = data[-2].int() - 2**30 * 2  # wrapped around, as torch's would be
     with pytest.raises(ValueError, match="int32 offset that overflowed"):
+        bsrkit.scatter_mm(bsr.values(), other, tuple(data))
+    with pytest.raises(ValueError, match="indices data for another pattern or width"):  # not bsr's
         bsrkit.bsr_scatter_mm(bsr, other, indices_data=tuple(data))
 
 
@@ -332,3 +335,40 @@ def test_indices_data_paths_refuse_arguments_that_require_grad():
     got = bsrkit.bsr_scatter_mm(bsr, other)  # without indices data: differentiable
     got.sum().backward()
     assert other.grad is not None
+
+
+@pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])
+def test_indices_data_of_another_width_or_an_earlier_pattern_are_refused(fmt):
+    """Offsets made for N = 8 stay in bounds at N = 16 in the strided formats, and an earlier pattern's
+    with the same nnz in every format: bounds alone would let both through to a wrong product."""
+    bsr = torch.sparse_bsr_tensor(
+        torch.tensor([0, 2, 3, 5]), torch.tensor([0, 2, 1, 0, 2]), torch.randn(5, 4, 4), size=(12, 12)
+    )
+    narrow = bsrkit.bsr_scatter_mm_indices_data(bsr, torch.randn(12, 8), fmt)
+    with pytest.raises(ValueError, match=r"other.shape\[-1\] == 16, got indices data for another"):
+        bsrkit.bsr_scatter_mm(bsr, torch.randn(12, 16), narrow)
+    other = torch.randn(12, 8)
+    assert_close(bsrkit.bsr_scatter_mm(bsr, other, narrow), reference.bsr_scatter_mm(bsr, other))
+    bsr.col_indices()[0] = 1  # an in-place pattern change: the data made before describe the old one
+    with pytest.raises(ValueError, match="for this bsr as it is now"):
+        bsrkit.bsr_scatter_mm(bsr, other, narrow)
+    fresh = bsrkit.bsr_scatter_mm_indices_data(bsr, other, fmt)
+    assert_close(bsrkit.bsr_scatter_mm(bsr, other, fresh), reference.bsr_scatter_mm(bsr, other))
+
+
+def test_torch_made_indices_data_are_accepted():
+    from torch.sparse import _triton_ops
+
+    bsr = random_bsr((32, 48), (8, 16), 0.5)
+    other = torch.randn(48, 32)
+    for fmt in ("bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"):
+        data = _triton_ops.bsr_scatter_mm_indices_data(bsr, other, fmt)
+        assert_close(bsrkit.bsr_scatter_mm(bsr, other, data), reference.bsr_scatter_mm(bsr, other))
+
+
+def test_out_sharing_memory_with_other_is_refused_on_every_path():
+    bsr = random_bsr((16, 16), (4, 4), 0.5)
+    other = torch.randn(16, 8)
+    for data in (None, bsrkit.bsr_scatter_mm_indices_data(bsr, other)):
+        with pytest.raises(ValueError, match="not to share memory with other"):
+            bsrkit.bsr_scatter_mm(bsr, other, data, out=other)

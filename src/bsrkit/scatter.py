@@ -21,6 +21,7 @@ from bsrkit.validation import (
     check_same_device,
     check_same_dtype,
     check_strided,
+    may_share_memory,
 )
 
 __all__ = ["bsr_scatter_mm", "bsr_scatter_mm_indices_data", "scatter_mm"]
@@ -217,11 +218,22 @@ def bsr_scatter_mm(
 
     Without ``indices_data`` this is :func:`bsr_dense_mm` (the fastest path for the device, and
     differentiable); with it, arguments that require grad are refused (as in :func:`scatter_mm`).
+    ``indices_data`` must be what :func:`bsr_scatter_mm_indices_data` (bsrkit's or torch's) gives for
+    ``bsr``'s pattern as it is now and ``other``'s width: data made for another width, or before the
+    pattern was written in place, raise ``ValueError`` (torch computes a wrong product with them). An
+    ``out`` sharing memory with ``other`` is refused on both paths.
     """
     op = "bsr_scatter_mm"
     check_bsr(op, "bsr", bsr)
     if bsr.ndim != 2:
         raise ValueError(f"{op}(): expected a 2-D bsr (no batch dimensions), got shape {tuple(bsr.shape)}")
+    if (
+        isinstance(out, torch.Tensor)
+        and isinstance(other, torch.Tensor)
+        and out.layout is other.layout is torch.strided
+        and may_share_memory(out, other)
+    ):  # (out is written while other is read: shared memory would give a silently wrong result)
+        raise ValueError(f"{op}(): expected out not to share memory with other, got overlapping tensors")
     if indices_data is None:
         return checked_addmm(op, None, bsr, other, beta=0.0, alpha=1.0, out=out, meta=None)
     _check_no_grad(op, bsr=bsr, other=other)
@@ -240,15 +252,16 @@ def bsr_scatter_mm(
     if bsr._nnz() == 0 or out.numel() == 0:
         return out.zero_()
     fmt = _check_indices_format(op, indices_data)
-    if fmt != "scatter_mm":
-        return _scatter_mm(op, bsr.values(), other, indices_data, out, overwrite=True)
     Ms, Ks = bsr.values().shape[-2:]
-    if N % Ms:
+    if fmt == "scatter_mm" and N % Ms:
         raise ValueError(
             f"{op}(): the 'scatter_mm' format needs other.shape[-1] divisible by the block height {Ms}, "
             f"got {N}"
         )
     nb = math.prod(other.shape[:-2])
+    _check_indices_data_of(op, bsr, indices_data, fmt, N, nb)
+    if fmt != "scatter_mm":
+        return _scatter_mm(op, bsr.values(), other, indices_data, out, overwrite=True)
     KB, MB, NB = K // Ks, M // Ms, N // Ms
     # The tiles of other (Ks x Ms) and of out (Ms x Ms) in the order the "scatter_mm" indices use, as
     # views: (batch, block row, tile column) leading dimensions, no copies.
@@ -264,6 +277,36 @@ def bsr_scatter_mm(
     if copied:
         out.copy_(acc.view(out_shape))
     return out
+
+
+def _check_indices_data_of(
+    op: str, bsr: torch.Tensor, indices_data: tuple[Any, ...], fmt: str, N: int, nbatches: int
+) -> None:
+    """``indices_data`` must be what :func:`bsr_scatter_mm_indices_data` gives for ``bsr``'s pattern as
+    it is now and ``other``'s width ``N`` (bsrkit's or torch's: the same layout). Bounds alone would let
+    data made for another ``N`` or an earlier pattern through, and the product would be silently wrong.
+    The data bsrkit handed out are the cached ones themselves: no comparison then."""
+    strided = fmt != "scatter_mm"
+    meta = indices_data[-1] if strided and isinstance(indices_data[-1], dict) else None
+    split_n = meta.get("SPLIT_N") if meta is not None else None
+    Operand.of(bsr, op)  # (the pattern validated, once per pattern, before anything derives from it)
+    expected: tuple[Any, ...] | None = None
+    if not strided:
+        expected = _indices_data(bsr, fmt, N, nbatches, 0)
+    elif isinstance(split_n, int) and split_n > 0 and N % split_n == 0:
+        expected = _indices_data(bsr, fmt, N, 0, split_n)
+    if (
+        expected is None
+        or len(indices_data) != len(expected) + strided
+        or not all(
+            g is e or (isinstance(g, torch.Tensor) and g.shape == e.shape and torch.equal(g.to(e.dtype), e))
+            for g, e in zip(indices_data[1 : len(expected)], expected[1:], strict=True)
+        )
+    ):
+        raise ValueError(
+            f"{op}(): expected indices_data made by bsr_scatter_mm_indices_data for this bsr as it is now "
+            f"and other.shape[-1] == {N}, got indices data for another pattern or width"
+        )
 
 
 # -- torch's indices data: format and launch meta (one place; the CPU backend reads what it writes) -----
