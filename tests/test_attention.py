@@ -309,6 +309,42 @@ def test_builders():
         bsrkit.mask_from_dense(torch.zeros(4, 4), 2)
 
 
+@pytest.mark.parametrize(
+    "build,error,message",
+    [
+        (
+            lambda: bsrkit.sliding_window_mask(-16, 2, 4),
+            ValueError,
+            r"sliding_window_mask\(\): expected L >= 0",
+        ),
+        (lambda: bsrkit.causal_mask(16, 4, -4), ValueError, r"causal_mask\(\): expected S >= 0, got -4"),
+        (lambda: bsrkit.causal_mask(16.0, 4), TypeError, r"causal_mask\(\): expected L to be an int"),
+        (
+            lambda: bsrkit.sliding_window_mask(16, 2.0, 4),
+            TypeError,
+            "expected window to be an int, got float",
+        ),
+        (lambda: bsrkit.sliding_window_mask(16, (2, -1), 4), ValueError, "expected window >= 0, got -1"),
+        (
+            lambda: bsrkit.block_local_mask(16, 4, neighbours=1.5),
+            TypeError,
+            "expected neighbours to be an int",
+        ),
+        (lambda: bsrkit.block_local_mask(16, 4, global_tokens=-1), ValueError, "expected global_tokens >= 0"),
+    ],
+)
+def test_mask_builders_name_a_bad_size(build, error, message):
+    with pytest.raises(error, match=message):
+        build()
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 4), (0, 4), (2, 0, 4), (4, 0)])
+def test_mask_from_dense_of_an_empty_mask_is_empty(shape):
+    mask = bsrkit.mask_from_dense(torch.ones(shape, dtype=torch.bool), 2)
+    assert mask.shape == shape and mask.values().numel() == 0
+    assert bsrkit.causal_mask(0, 4).shape == (0, 0)
+
+
 def test_mask_from_flex_block_mask():
     fa = pytest.importorskip("torch.nn.attention.flex_attention")
 

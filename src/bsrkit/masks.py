@@ -7,12 +7,13 @@ product; Inductor failed to compile them). Used by :func:`bsrkit.scaled_dot_prod
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from bsrkit.eager import eager_under_compile
-from bsrkit.validation import check_blocksize
+from bsrkit.validation import check_blocksize, check_size
 
 __all__ = [
     "block_local_mask",
@@ -21,6 +22,12 @@ __all__ = [
     "mask_from_dense",
     "sliding_window_mask",
 ]
+
+
+def _lengths(op: str, L: Any, S: Any) -> tuple[int, int]:
+    """``(L, S)``, ``S`` defaulting to ``L``: ints >= 0."""
+    L = check_size(op, "L", L)
+    return L, L if S is None else check_size(op, "S", S)
 
 
 def _from_intervals(
@@ -80,10 +87,9 @@ def sliding_window_mask(
     memory: the stored blocks of block row ``r`` are the block columns meeting
     ``[r Ms - left, r Ms + Ms - 1 + right]``."""
     op = "sliding_window_mask"
-    left, right = (window, window) if isinstance(window, int) else window
-    if left < 0 or right < 0:
-        raise ValueError(f"{op}(): expected window sizes >= 0, got {window!r}")
-    S = L if S is None else S
+    pair = window if isinstance(window, (tuple, list)) and len(window) == 2 else (window, window)
+    left, right = (check_size(op, "window", w) for w in pair)
+    L, S = _lengths(op, L, S)
     Ms, Ns = check_blocksize(op, blocksize)
     r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
     lo = (r * Ms - left).clamp(min=0)  # first and last allowed key column of the block row
@@ -105,7 +111,7 @@ def causal_mask(
 ) -> torch.Tensor:
     """Query ``i`` attends to keys ``j <= i`` (top-left aligned, as ``is_causal`` in torch). O(nnz)."""
     op = "causal_mask"
-    S = L if S is None else S
+    L, S = _lengths(op, L, S)
     Ms, Ns = check_blocksize(op, blocksize)
     r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
     hi = (r * Ms + Ms - 1).clamp(max=S - 1)
@@ -131,11 +137,9 @@ def block_local_mask(
     ``global_tokens`` keys. O(nnz): each block row stores at most two runs of block columns."""
     op = "block_local_mask"
     Ms, Ns = check_blocksize(op, blocksize)
-    if neighbours < 0 or global_tokens < 0:
-        raise ValueError(
-            f"{op}(): expected neighbours >= 0 and global_tokens >= 0, got {neighbours}, {global_tokens}"
-        )
-    S = L if S is None else S
+    neighbours = check_size(op, "neighbours", neighbours)
+    global_tokens = check_size(op, "global_tokens", global_tokens)
+    L, S = _lengths(op, L, S)
     NB = S // Ns if S % Ns == 0 else 0
     r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
     g = global_tokens
@@ -173,16 +177,16 @@ def mask_from_dense(mask: torch.Tensor, blocksize: int | tuple[int, int]) -> tor
     *batch, L, S = mask.shape
     if L % Ms or S % Ns:
         raise ValueError(f"{op}(): expected the blocksize {(Ms, Ns)} to divide (L, S) == {(L, S)}")
-    blocks = mask.reshape(-1, L // Ms, Ms, S // Ns, Ns).transpose(2, 3)  # (B, MB, NB, Ms, Ns)
+    nb = math.prod(batch)  # (explicit sizes: a mask with no entry has no -1 to infer)
+    blocks = mask.reshape(nb, L // Ms, Ms, S // Ns, Ns).transpose(2, 3)  # (B, MB, NB, Ms, Ns)
     stored = blocks.flatten(3).any(-1).any(0)  # (MB, NB): the union over batches
     counts = stored.sum(1)
     crow = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     r, c = stored.nonzero(as_tuple=True)
     values = blocks[:, r, c]  # (B, nnz, Ms, Ns)
-    nb = values.shape[0]
     return torch.sparse_bsr_tensor(
         crow.expand(*batch, -1).contiguous() if batch else crow,
-        c.expand(nb, -1).reshape(*batch, -1).contiguous() if batch else c,
+        c.expand(nb, -1).reshape(*batch, c.numel()).contiguous() if batch else c,
         values.reshape(*batch, *values.shape[1:]).contiguous() if batch else values[0].contiguous(),
         size=mask.shape,
     )

@@ -29,6 +29,7 @@ __all__ = [
     "check_same_device",
     "check_same_dtype",
     "check_scalar",
+    "check_size",
     "check_strided",
     "indices_data_defect",
     "may_share_memory",
@@ -152,6 +153,15 @@ def check_blocksize(op: str, blocksize: Any) -> tuple[int, int]:
     if pair[0] < 1 or pair[1] < 1:
         raise ValueError(f"{op}(): expected blocksize to be >= 1, got {blocksize!r}")
     return int(pair[0]), int(pair[1])
+
+
+def check_size(op: str, name: str, value: Any) -> int:
+    """A length or count: an int >= 0 (not a bool)."""
+    if not _is_int(value):
+        raise ArgumentTypeError(f"{op}(): expected {name} to be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{op}(): expected {name} >= 0, got {value}")
+    return int(value)
 
 
 def check_density(op: str, density: Any) -> float:
