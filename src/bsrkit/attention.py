@@ -27,7 +27,10 @@ allowed are skipped (:func:`bsrkit.mask_bias.block_bias`); memory beyond the inp
 
 The mask builders (:mod:`bsrkit.masks`, re-exported here) return bool BSR masks whose stored blocks are
 exactly those holding an allowed entry. NaN in ``query``, ``key`` or the bias reaches the output rows that
-attend it, as the math does; an entry a mask excludes stays excluded whatever its score. Under
+attend it, as the math does; an entry a mask excludes stays excluded whatever its score. NaN or Inf in
+``value`` reaches every row whose stored blocks hold its key, allowed or not: the excluded entries of a
+stored block weigh it by an exact 0, and 0 * Inf is NaN (torch's SDPA weighs every key so, and gives NaN
+in every row). Under
 ``torch.compile`` this runs eagerly (a graph break around the compiled loops).
 """
 
