@@ -92,7 +92,9 @@ class GradualPruner:
     """Gradual block pruning of ``model``'s linear layers while ``optimizer`` trains it (module docstring).
 
     ``filter_fn(module, fqn)`` selects the layers (default: :func:`bsrkit.sparsify.default_filter`, every
-    ``nn.Linear`` whose shape the blocksize divides except the output head). Call :meth:`step` after each
+    ``nn.Linear`` whose shape the blocksize divides except the output head); a module used at several
+    places is swapped at all of them, and two selected layers holding one weight (tied) raise
+    ``ValueError``. Call :meth:`step` after each
     ``optimizer.step()``, before the gradients are cleared (the movement criterion and RigL read them);
     the density changes at the steps ``start_step + k * every`` up to ``end_step`` (and at
     ``end_step``). Without ``regrow`` a layer never regains a removed block; with
