@@ -135,9 +135,33 @@ def test_corrupt_or_foreign_table_is_reported_and_ignored(tmp_path, monkeypatch,
     with pytest.warns(tuning.TuningWarning, match="ignoring tuning table"):
         params = tuning.cpu_mm_meta("bsr_dense_mm", torch.float32, (64, 64, 64), (16, 16), None)
     assert params["panel"] == 64  # the default, clipped to N
-    # tune replaces a corrupt table instead of crashing
-    assert main(["tune", "--sizes", "64", "--blocksizes", "16", "--panels", "32", "--threads", "1"]) == 0
-    assert json.loads(table.read_text())["version"] == 1
+    tune = ["tune", "--sizes", "64", "--blocksizes", "16", "--panels", "32", "--threads", "1"]
+    if "bsrkit-tuning" in content:  # tune replaces a table of another version
+        assert main(tune) == 0
+        assert json.loads(table.read_text())["version"] == 1
+    else:  # and never a file that is not a tuning table (a mistyped --table): it refuses, before tuning
+        assert main(tune) == 2
+        assert table.read_text() == content
+
+
+def test_tune_keeps_a_tables_permissions_and_refuses_a_foreign_file(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("important user notes\n")
+    tune = ["tune", "--sizes", "64", "--blocksizes", "16", "--panels", "32", "--threads", "1"]
+    assert main([*tune, "--table", str(notes)]) == 2
+    assert notes.read_text() == "important user notes\n"
+    assert "is not a bsrkit tuning table" in capsys.readouterr().err
+    table = tmp_path / "t.json"
+    table.write_text("")  # empty: replaced
+    table.chmod(0o640)
+    assert main([*tune, "--table", str(table)]) == 0
+    assert json.loads(table.read_text())["format"] == "bsrkit-tuning"
+    assert table.stat().st_mode & 0o777 == 0o640
+    fresh = tmp_path / "fresh.json"
+    assert main([*tune, "--table", str(fresh)]) == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert fresh.stat().st_mode & 0o777 == 0o666 & ~umask  # open()'s permissions, not mkstemp's 0600
 
 
 def test_fallback_warning_once_names_the_command(tmp_path, monkeypatch):

@@ -381,6 +381,24 @@ def test_out_sharing_memory_with_dense_is_refused():
         bsrkit.bsr_dense_mm(bsr, d, out=d)
 
 
+def test_an_out_with_overlapping_elements_is_refused_on_every_path():
+    """An expanded out would take every row's write at one place (torch refuses it as well)."""
+    bsr = random_bsr((8, 8), (4, 4), 0.6)
+    x = torch.randn(8, 5)
+    calls = [
+        lambda out: bsrkit.bsr_dense_mm(bsr, x, out=out),
+        lambda out: bsrkit.bsr_dense_addmm(torch.zeros(8, 5), bsr, x, out=out),
+        lambda out: bsrkit.bsr_dense_addmm(torch.zeros(8, 5), bsr, x, left_alpha=torch.ones(8), out=out),
+        lambda out: bsrkit.bsr_scatter_mm(bsr, x, bsrkit.bsr_scatter_mm_indices_data(bsr, x), out=out),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="expected out whose elements are distinct memory"):
+            call(torch.zeros(1, 5).expand(8, 5))
+    out = torch.zeros(8, 10)[:, ::2]  # strided but distinct: accepted
+    bsrkit.bsr_dense_mm(bsr, x, out=out)
+    assert_close(out, reference.bsr_dense_mm(bsr, x), k=8)
+
+
 def test_out_beside_dense_in_one_buffer_is_accepted():
     """Two halves of one buffer share a storage but no memory: out may be one, dense the other."""
     bsr = random_bsr((8, 8), (2, 2), 0.6)

@@ -175,7 +175,8 @@ def _scatter_mm(
         accumulators = torch.zeros(acc_shape, dtype=blocks.dtype, device=blocks.device)
         overwrite = False
     else:
-        check_out(op, accumulators, acc_shape, blocks.dtype, blocks.device)
+        # (hand-made tiles may overlap, and each sums into its place: see scatter_mm)
+        check_out(op, accumulators, acc_shape, blocks.dtype, blocks.device, "accumulators", distinct=False)
     if accumulators.numel() == 0:
         return accumulators
     _run_scatter(op, blocks, others, indices_data, accumulators, tuple(others.shape), acc_shape, overwrite)

@@ -211,23 +211,61 @@ def check_writable(path: Path | None = None) -> Path:
     os.unlink(probe)
     if path.exists() and not os.access(path, os.W_OK):
         raise PermissionError(f"tuning table {path} is not writable")
+    _refuse_foreign(path)
     return path
 
 
+def _refuse_foreign(path: Path) -> None:
+    """Raise ``FileExistsError`` if ``path`` holds something other than a bsrkit tuning table (of any
+    version) or nothing: a mistyped ``--table`` must not replace a user's file."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FileExistsError(f"{path} exists and cannot be read as a bsrkit tuning table ({exc})") from None
+    if not text.strip():
+        return  # (an empty file: nothing to lose)
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        data = None
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise FileExistsError(
+            f"{path} exists and is not a bsrkit tuning table: not replacing it (remove it, or choose "
+            "another table path)"
+        )
+
+
+def _new_file_mode(path: Path) -> int:
+    """The permission bits the table gets: the replaced file's, else those ``open`` gives a new file."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def save_entries(new: dict[str, dict[str, Any]], path: Path | None = None) -> Path:
-    """Merge ``new`` into the table at ``path`` (a corrupt one is replaced) and write it atomically, under
-    a file lock: concurrent writers lose no entries, and a failed write leaves no temporary file."""
+    """Merge ``new`` into the table at ``path`` (a table of another version is replaced; a file that is
+    not a bsrkit tuning table raises ``FileExistsError`` and stays) and write it atomically, under a file
+    lock, keeping the file's permissions: concurrent writers lose no entries, and a failed write leaves
+    no temporary file."""
     path = Path(path) if path is not None else default_table_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
+        _refuse_foreign(path)
         _loaded.pop(str(path), None)  # read what is on disk now, not a copy up to a second old
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", TuningWarning)
             entries = dict(load_table(path))
         entries.update(new)
         payload = {"format": _FORMAT, "version": _VERSION, "entries": entries}
+        mode = _new_file_mode(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=".json")
         try:
+            os.fchmod(fd, mode)  # (mkstemp's 0600 would replace the file's own permissions)
             with os.fdopen(fd, "w") as f:
                 json.dump(payload, f, indent=1, sort_keys=True)
             os.replace(tmp, path)

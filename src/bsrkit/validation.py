@@ -122,14 +122,30 @@ def broadcast_batch(op: str, names: tuple[str, ...], shapes: tuple[torch.Size, .
         raise ValueError(f"{op}(): expected broadcastable batch dimensions, got {listed}") from None
 
 
-def check_out(op: str, out: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-    check_strided(op, "out", out, min_ndim=0)
+def check_out(
+    op: str,
+    out: Any,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    name: str = "out",
+    distinct: bool = True,
+) -> None:
+    """``out`` must be a strided tensor of ``shape``, ``dtype`` and ``device``; with ``distinct``, one
+    whose elements are distinct memory (an expanded view would take every write at one place: torch
+    refuses it too)."""
+    check_strided(op, name, out, min_ndim=0)
     if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"{op}(): expected out.shape == {tuple(shape)}, got {tuple(out.shape)}")
+        raise ValueError(f"{op}(): expected {name}.shape == {tuple(shape)}, got {tuple(out.shape)}")
+    if distinct and torch._debug_has_internal_overlap(out) == 1:
+        raise ValueError(
+            f"{op}(): expected {name} whose elements are distinct memory, got one with overlapping "
+            f"elements (strides {out.stride()}, e.g. an expanded view)"
+        )
     if out.dtype != dtype:
-        raise ArgumentTypeError(f"{op}(): expected out.dtype == {dtype}, got {out.dtype}")
+        raise ArgumentTypeError(f"{op}(): expected {name}.dtype == {dtype}, got {out.dtype}")
     if out.device != device:
-        raise ValueError(f"{op}(): expected out.device == {device}, got {out.device}")
+        raise ValueError(f"{op}(): expected {name}.device == {device}, got {out.device}")
 
 
 def check_scalar(op: str, name: str, value: Any) -> float:
