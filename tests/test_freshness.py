@@ -304,7 +304,8 @@ def test_verify_contents_derives_from_the_copy_it_compares():
 @pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])
 def test_indices_data_written_in_place_are_never_served_stale(backend, fmt):
     """scatter_mm's own plans (the indices data's check and the CPU gemm list) are keyed on the indices
-    data tensors: numpy writes the other pattern's indices data into them."""
+    data tensors: numpy writes the other pattern's indices data into them (the two patterns share their
+    values; each product is given the bsr its indices data describe)."""
     values = _float_values()
     old = _weight(values).bsr
     new = torch.sparse_bsr_tensor(torch.tensor(CROW), torch.tensor(NEW_COL), values, size=(N_, N_))
@@ -316,7 +317,7 @@ def test_indices_data_written_in_place_are_never_served_stale(backend, fmt):
     data = owned(bsrkit.bsr_scatter_mm_indices_data(old, x, fmt))
     other = owned(bsrkit.bsr_scatter_mm_indices_data(new, x, fmt))
     for _ in range(2):
-        assert_close(bsrkit.bsr_scatter_mm(new, x, indices_data=data), reference.bsr_dense_mm(old, x), k=N_)
+        assert_close(bsrkit.bsr_scatter_mm(old, x, indices_data=data), reference.bsr_dense_mm(old, x), k=N_)
     for mine, theirs in zip(data[1:], other[1:], strict=True):
         if isinstance(mine, torch.Tensor):
             assert mine.shape == theirs.shape
@@ -358,7 +359,7 @@ def test_indices_data_written_between_the_check_and_the_kernel_plan_are_not_run(
     monkeypatch.setattr(planning, "cpu_scatter_plan", plan_while_written)
     bsrkit.cache_clear()
     for _ in range(2):
-        assert_close(bsrkit.bsr_scatter_mm(new, x, indices_data=data), reference.bsr_dense_mm(old, x), k=N_)
+        assert_close(bsrkit.bsr_scatter_mm(old, x, indices_data=data), reference.bsr_dense_mm(old, x), k=N_)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)

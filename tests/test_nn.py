@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -320,6 +322,34 @@ def test_loads_a_checkpoint_of_another_nnz(backend, assign, strict):
     assert_close(layer(x), source(x), k=64)
     layer(x).sum().backward()
     assert layer.values.grad is not None and layer.values.grad.shape == source.values.shape
+
+
+def test_resuming_from_a_checkpoint_of_another_nnz_keeps_training_the_values():
+    """Build, make the optimizer, load the model's then the optimizer's state: the usual resume. The
+    values Parameter stays the object the optimizer holds (as nn.Linear's weight does), so the resumed
+    steps train it, and they take the steps the uninterrupted run takes."""
+    x, y = torch.randn(16, 64, dtype=torch.float64), torch.randn(16, 48, dtype=torch.float64)
+
+    def steps(layer, opt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            (layer(x) - y).square().mean().backward()
+            opt.step()
+
+    trained = _layer(0.3, 0).double()
+    opt = torch.optim.Adam(trained.parameters(), lr=1e-2)
+    steps(trained, opt, 2)
+    checkpoint = ({k: v.clone() for k, v in trained.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+    resumed = _layer(0.8, 1).double()
+    assert resumed.values.shape != trained.values.shape
+    opt2 = torch.optim.Adam(resumed.parameters(), lr=1e-2)
+    values = resumed.values
+    resumed.load_state_dict(checkpoint[0])
+    opt2.load_state_dict(checkpoint[1])
+    assert resumed.values is values  # the optimizer's parameter
+    steps(trained, opt, 2)
+    steps(resumed, opt2, 2)
+    torch.testing.assert_close(resumed.values, trained.values, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(

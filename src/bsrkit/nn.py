@@ -244,9 +244,14 @@ class BSRLinear(nn.Module):
         return nnz
 
     def _resize(self, nnz: int) -> None:
-        """Make room for ``nnz`` blocks (the loader then copies or assigns the checkpoint's tensors)."""
-        old = self.values
-        self.values = nn.Parameter(old.new_empty((nnz, *old.shape[1:])), requires_grad=old.requires_grad)
+        """Make room for ``nnz`` blocks (the loader then copies or assigns the checkpoint's tensors). The
+        ``values`` Parameter stays the same object, as ``nn.Linear``'s weight does through a load: an
+        optimizer built before the load keeps training it (its state for the old shape must be replaced,
+        as the usual ``optimizer.load_state_dict`` after the model's does). Its old gradient is dropped."""
+        values = self.values
+        with torch.no_grad():
+            values.data = values.new_empty((nnz, *values.shape[1:]))
+        values.grad = None
         self.col_indices = self.col_indices.new_empty(nnz)
 
     def extra_repr(self) -> str:
