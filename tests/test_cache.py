@@ -461,3 +461,58 @@ def test_plan_cache_nbytes_counts_a_patterns_indices_and_the_plans_built_later()
     del b, bt, crow, col, values, x
     gc.collect()
     assert plans.cache_info().nbytes == 0
+
+
+def test_a_recursive_call_with_the_same_key_completes():
+    """The computing thread calling the function again with the same arguments (recursion) must not wait
+    on its own in-flight latch (it hung for ever); it computes, uncached, as functools.lru_cache does."""
+    depth = []
+
+    @weak_lru_cache()
+    def recursive(x, n):
+        depth.append(n)
+        return recursive(x, n) if len(depth) < 3 else n
+
+    x = torch.ones(2)
+    result = []
+    worker = threading.Thread(target=lambda: result.append(recursive(x, 5)), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive() and result == [5] and len(depth) == 3
+    assert recursive(x, 5) == 5 and len(depth) == 3  # the outer call's value is cached
+
+
+def test_a_view_of_an_argument_inside_an_object_is_refused_and_its_bytes_counted():
+    """A value that is not a container (a dataclass, an object with slots) holding a view of its tensor
+    argument would pin that memory for ever as much as a tuple holding it: refused the same way; what it
+    holds of its own counts in nbytes."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Plan:
+        head: torch.Tensor
+
+    class Slotted:
+        __slots__ = ("part",)
+
+        def __init__(self, part):
+            self.part = part
+
+    @weak_lru_cache(maxsize=None)
+    def pinning(x, kind):
+        return Plan(x[:4]) if kind == "dataclass" else Slotted([x[:4]])
+
+    @weak_lru_cache(maxsize=None)
+    def owning(x):
+        return Plan(x[:4].clone())
+
+    x = torch.randn(1000)
+    for kind in ("dataclass", "slots"):
+        with pytest.raises(ValueError, match="shares memory with one of its tensor arguments"):
+            pinning(x, kind)
+    owning(x)
+    assert owning.cache_info().nbytes == 16
+    storage = weakref.ref(x.untyped_storage())
+    del x
+    gc.collect()
+    assert storage() is None and owning.cache_info().currsize == 0

@@ -34,6 +34,11 @@ def test_demo_runs_and_checks_its_result(capsys):
         ["tune", "--shapes", "64x64"],
         ["tune", "--shapes", "64x60x8", "--blocksizes", "16"],
         ["tune", "--blocksizes", "0x4"],
+        ["tune", "--repeats", "0"],
+        ["bench", "--repeats", "-3"],
+        ["demo", "--density", "nan"],
+        ["bench", "--densities", "nan"],
+        ["bench", "--sizes", "64", "--blocksizes", "16", "--json", "/nonexistent-dir/x.json"],
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
@@ -235,3 +240,21 @@ def test_demo_model_rejects_a_hidden_size_it_cannot_split(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--model", "--hidden", "96"])
     assert "--hidden must be a multiple of 64" in capsys.readouterr().err
+
+
+def test_bench_in_half_precision_marks_torchs_missing_kernel(capsys):
+    """torch has no CPU kernel for a half-precision BSR product: its column says n/a (it failed the run)."""
+    argv = ["bench", "--sizes", "64", "--blocksizes", "16", "--densities", "0.5", "--repeats", "1"]
+    assert main([*argv, "--dtype", "float16"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "float16" in row and row.count("n/a") == 3
+
+
+def test_python_dash_m_bsrkit_is_the_command():
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "bsrkit", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.startswith("bsrkit ")

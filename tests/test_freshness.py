@@ -521,12 +521,20 @@ def test_checked_mode_in_the_triton_interpreter(monkeypatch):
     assert bsrkit.cache_info().stale > stale
 
 
-def test_check_mode_rejects_an_unknown_value(monkeypatch):
+def test_check_mode_rejects_an_unknown_value_at_the_first_call(monkeypatch):
+    """A plan's miss reads the mode as its hits do: the first call of every cached path raises (the
+    transposed product and the layer ran their first call, and raised at the second)."""
+    from bsrkit.nn import BSRLinear
+
     monkeypatch.setenv("BSRKIT_CHECK_PLANS", "yes")
-    w = _weight(_float_values())
-    with pytest.raises(ValueError, match=r"BSRKIT_CHECK_PLANS in \('auto', '0', '1'\)"):
-        for _ in range(2):  # (the first product may be a miss, the second is a hit)
-            bsrkit.bsr_dense_mm(w.bsr, torch.randn(N_, 4))
+    calls = [
+        lambda: bsrkit.bsr_dense_mm(_weight(_float_values()).bsr, torch.randn(N_, 4)),
+        lambda: bsrkit.bsr_transposed_dense_mm(_weight(_float_values()).bsr, torch.randn(N_, 4)),
+        lambda: BSRLinear(16, 16, 4, density=0.5)(torch.randn(2, 16)),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"BSRKIT_CHECK_PLANS in \('auto', '0', '1'\)"):
+            call()
 
 
 def test_device_copies_are_compared_in_the_checked_mode_only(monkeypatch):

@@ -122,7 +122,10 @@ def run_point(
     else:
         raise ValueError(f"run_point(): expected op in ('mm', 'addmm', 'sampled'), got {op!r}")
     t_ours = median_seconds(ours, repeats)
-    t_native = median_seconds(native, repeats)
+    try:
+        t_native: float | None = median_seconds(native, repeats)
+    except (NotImplementedError, RuntimeError):  # torch has no CPU kernel for half types: "n/a"
+        t_native = None
     t_dense = median_seconds(dense, repeats)
     flop = 2 * bsr._nnz() * blocksize * blocksize * n
     return {
@@ -135,10 +138,10 @@ def run_point(
         "bsrkit_s": t_ours,
         "native_s": t_native,
         "dense_s": t_dense,
-        "x_native": t_native / t_ours,
+        "x_native": t_native / t_ours if t_native is not None else None,
         "x_dense": t_dense / t_ours,
         "gflops": flop / t_ours / 1e9,
-        "native_gflops": flop / t_native / 1e9,
+        "native_gflops": flop / t_native / 1e9 if t_native is not None else None,
         "dense_gflops": 2 * n**3 / t_dense / 1e9,
     }
 
@@ -150,11 +153,15 @@ def format_table(rows: list[dict[str, object]]) -> str:
         f"{'dense ms':>9} | {'x native':>8} {'x dense':>7} | {'GF/s':>6} {'nativeGF':>8} {'denseGF':>7}"
     )
     lines = [header, "-" * len(header)]
+
+    def cell(value: object, width: int, digits: int, scale: float = 1.0) -> str:
+        return f"{'n/a':>{width}}" if value is None else f"{float(value) * scale:>{width}.{digits}f}"  # type: ignore[arg-type]
+
     for r in rows:
         lines.append(
             f"{r['op']:>5} {r['dtype']:>8} {r['n']:>5} {r['blocksize']:>3} {r['density']:>5} | "
-            f"{float(r['bsrkit_s']) * 1e3:>9.2f} {float(r['native_s']) * 1e3:>9.2f} "  # type: ignore[arg-type]
-            f"{float(r['dense_s']) * 1e3:>9.2f} | {r['x_native']:>8.2f} {r['x_dense']:>7.2f} | "  # type: ignore[arg-type]
-            f"{r['gflops']:>6.1f} {r['native_gflops']:>8.1f} {r['dense_gflops']:>7.1f}"
+            f"{cell(r['bsrkit_s'], 9, 2, 1e3)} {cell(r['native_s'], 9, 2, 1e3)} "
+            f"{cell(r['dense_s'], 9, 2, 1e3)} | {cell(r['x_native'], 8, 2)} {cell(r['x_dense'], 7, 2)} | "
+            f"{cell(r['gflops'], 6, 1)} {cell(r['native_gflops'], 8, 1)} {cell(r['dense_gflops'], 7, 1)}"
         )
     return "\n".join(lines)

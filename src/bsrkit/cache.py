@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
@@ -69,8 +70,9 @@ class CacheInfo(NamedTuple):
 
 def _value_arrays(value: Any) -> list[Any]:
     """Tensors, storages, numpy arrays and ``bytes`` held by a value, each once, looking inside tuples,
-    lists, dicts and objects whose class lists what they own (``cache_footprint(self)``, an iterable of
-    such values: a plan object that is not a container, e.g. :class:`bsrkit.plans.Pattern`)."""
+    lists, dicts, sets and other objects' attributes (``__dict__``, ``__slots__``: a dataclass), or, for
+    an object whose class lists what it owns (``cache_footprint(self)``, an iterable of such values: a
+    plan object, e.g. :class:`bsrkit.plans.Pattern`), inside that only."""
     found: list[Any] = []
     seen: set[int] = set()
     stack = [value]
@@ -85,11 +87,26 @@ def _value_arrays(value: Any) -> list[Any]:
             stack.extend(v)
         elif isinstance(v, dict):
             stack.extend(v.values())
-        else:
+        elif isinstance(v, (set, frozenset)):
+            stack.extend(v)
+        elif not isinstance(v, _OPAQUE):
             footprint = getattr(type(v), "cache_footprint", None)
             if footprint is not None:
                 stack.extend(footprint(v))
+                continue
+            attributes = getattr(v, "__dict__", None)
+            if isinstance(attributes, dict):
+                stack.extend(attributes.values())
+            for cls in type(v).__mro__:
+                slots = cls.__dict__.get("__slots__", ())
+                for name in (slots,) if isinstance(slots, str) else slots:
+                    stack.append(getattr(v, name, None))
     return found
+
+
+# Objects whose attributes are not a value's own data: classes, modules, functions, scalars.
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+           str, int, float, complex, bool, type(None), torch.dtype, torch.device)  # fmt: skip
 
 
 def _nbytes(arrays: list[Any]) -> int:
@@ -175,10 +192,11 @@ class _Entry:
 class _InFlight:
     """A computation in progress: other callers with the same key wait for it instead of recomputing."""
 
-    __slots__ = ("error", "latch", "ok", "value", "version")
+    __slots__ = ("error", "latch", "ok", "owner", "value", "version")
 
     def __init__(self, version: tuple[int, ...]) -> None:
         self.version = version  # the argument versions this computation started from
+        self.owner = threading.get_ident()  # (its own recursive calls must not wait for it)
         # Held by the owner until it is done; waiters pass through it. A lock, not an Event: releasing
         # it is one C call, which an interrupt cannot cut in half.
         self.latch = threading.Lock()
@@ -248,6 +266,7 @@ class _CacheState:
         if key is _UNCACHEABLE:
             return self._compute(args, kwargs)[0]
         mine: _InFlight | None = None
+        reentrant = False
         try:
             while True:
                 unproven: _Entry | None = None
@@ -271,6 +290,12 @@ class _CacheState:
                             mine = _InFlight(version)
                             self.inflight[key] = mine
                             self.misses += 1
+                            break
+                        if pending.owner == threading.get_ident():
+                            # The computing thread calls it again (recursion): waiting for its own
+                            # latch would never end. A plain call, uncached, as functools.lru_cache's.
+                            self.misses += 1
+                            reentrant = True
                             break
                         if pending.version == version:
                             self.hits += 1
@@ -297,6 +322,9 @@ class _CacheState:
                         raise pending.error
                 # The computation started before an in-place change (stale for us), or its owner was
                 # interrupted: look again.
+            if reentrant:
+                return self._compute(args, kwargs)[0]
+            assert mine is not None
             value, proof = self._compute(args, kwargs)
             self._insert(key, keys, value, version, proof)
             mine.value = value

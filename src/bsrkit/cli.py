@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -154,9 +155,22 @@ def _parse_list(kind: type, positive: bool = True) -> Callable[[str], list[Any]]
             raise argparse.ArgumentTypeError(
                 f"expected a comma-separated list of {kind.__name__}, got {text!r}"
             ) from None
-        if not values or (positive and any(v <= 0 for v in values)):
+        if not values or (positive and not all(0 < v < math.inf for v in values)):  # (NaN: refused)
             raise argparse.ArgumentTypeError(f"expected positive {kind.__name__} values, got {text!r}")
         return values
+
+    return parse
+
+
+def _count(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an int >= {least}, got {text!r}")
+        return value
 
     return parse
 
@@ -170,6 +184,10 @@ def _check_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 )
     if any(d > 1 for d in getattr(args, "densities", [])):
         parser.error(f"densities must be in (0, 1], got {args.densities}")
+    for option in ("json", "plot"):  # (checked now, not after the whole grid has run)
+        path = getattr(args, option, None)
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"--{option}: cannot write {path!r} (its directory is missing or not writable)")
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -230,7 +248,7 @@ def plot_speedups(rows: list[dict[str, Any]], path: str) -> None:
         ax.plot(dens, [r["x_dense"] for r in rs], "o-", color=color, label=f"bsrkit {op} n={n} bs={bs}")
         ax.plot(
             dens,
-            [r["dense_s"] / r["native_s"] for r in rs],
+            [r["dense_s"] / r["native_s"] if r["native_s"] else float("nan") for r in rs],
             "x--",
             color=color,
             alpha=0.6,
@@ -435,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--ops", type=_parse_ops, default=["mm"], help="comma list of mm,addmm,sampled (default mm)"
     )
-    p.add_argument("--repeats", type=int, default=0, help="timed repeats per point (0: by size)")
+    p.add_argument("--repeats", type=_count(0), default=0, help="timed repeats per point (0: by size)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write speedup-over-dense vs density (PNG)")
     p.set_defaults(run=bench)
@@ -458,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--block-k", type=_parse_list(int), default=[16, 32], help="Triton BLOCK_K values")
     p.add_argument("--num-warps", type=_parse_list(int), default=[2, 4, 8], help="Triton num_warps values")
     p.add_argument("--num-stages", type=_parse_list(int), default=[1, 2, 3], help="Triton num_stages values")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=_count(1), default=3)
     p.add_argument("--table", metavar="FILE", default=None, help="tuning table (default: user cache)")
     p.add_argument(
         "--break-even",

@@ -203,6 +203,7 @@ class Snapshot:
     __slots__ = ("_device", "_host", "_opaque", "_where")
 
     def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        check_mode()  # (a bad $BSRKIT_CHECK_PLANS raises at the first product, not at its first hit)
         host: list[tuple[Any, ...]] = []
         device: list[_DeviceRegion] = []
         # Per tensor, where its copy is (for copies()): ("host" | "device", index), or None: no data.
