@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["module_places", "places_of", "put"]
+__all__ = ["module_places", "put"]
 
 
 def module_places(model: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
@@ -21,11 +21,6 @@ def module_places(model: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
         if fqn:
             places.setdefault(id(module), (module, []))[1].append(fqn)
     return places
-
-
-def places_of(model: nn.Module, module: nn.Module) -> list[str]:
-    """Every name under which ``module`` is reachable in ``model``."""
-    return [fqn for fqn, m in model.named_modules(remove_duplicate=False) if fqn and m is module]
 
 
 def put(model: nn.Module, fqns: list[str] | tuple[str, ...], new: nn.Module) -> None:
