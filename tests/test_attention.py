@@ -309,6 +309,24 @@ def test_builders():
         bsrkit.mask_from_dense(torch.zeros(4, 4), 2)
 
 
+def test_a_float_mask_row_of_minus_inf_only_gives_zero_as_torch(backend):
+    """A row whose stored entries are all -inf has nothing allowed: 0, as torch's SDPA gives (the
+    reference gave NaN: it counted stored blocks, not finite entries)."""
+    values = torch.zeros(3, 16, 16)
+    values[0, 3, :] = -torch.inf  # row 3: -inf in one of its two blocks
+    values[2, 5, :] = -torch.inf  # row 21: -inf in its only block
+    mask = torch.sparse_bsr_tensor(torch.tensor([0, 2, 3]), torch.tensor([0, 1, 0]), values, size=(32, 32))
+    q, k, v = (torch.randn(32, d) for d in (16, 16, 8))
+    got = bsrkit.scaled_dot_product_attention(q, k, v, mask)
+    q, k, v = q.double(), k.double(), v.double()
+    expected = reference.scaled_dot_product_attention(q, k, v, mask.double())
+    dense = torch.where(reference.block_mask(mask), reference.bsr_to_dense(mask).double(), -torch.inf)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    assert (got[21] == 0).all() and (expected[21] == 0).all() and (theirs[21] == 0).all()
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(expected, theirs)
+
+
 @pytest.mark.parametrize(
     "build,error,message",
     [

@@ -50,6 +50,19 @@ def test_sampled_addmm(backend, dtype, beta, alpha):
     )
 
 
+@pytest.mark.parametrize("K", [0, 3])
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -float("inf")])
+def test_sampled_addmm_with_a_non_finite_alpha(backend, K, alpha):
+    """NaN and Inf in alpha propagate as the formula says on every backend (the CPU gemm took alpha as an
+    operand scale: NaN became 1 and Inf gave inf - inf; with K == 0 alpha was dropped)."""
+    inp = random_bsr((32, 32), (16, 16), 1.0)
+    mat1, mat2 = torch.randn(32, K), torch.randn(K, 32)
+    got = reference.bsr_to_dense(bsrkit.sampled_addmm(inp, mat1, mat2, beta=1.0, alpha=alpha))
+    expected = reference.sampled_addmm(inp, mat1, mat2, beta=1.0, alpha=alpha)
+    assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.isinf(), expected.isinf())
+    assert got.isnan().any() or got.isinf().any()
+
+
 def test_sampled_addmm_batched_broadcast_and_out(backend):
     inp = random_bsr((2, 16, 12), (4, 3), 0.5, torch.float64)
     mat1 = torch.randn(16, 5, dtype=torch.float64)  # broadcast over the batch

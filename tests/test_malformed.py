@@ -33,7 +33,7 @@ _WORKER = textwrap.dedent(
     import torch, bsrkit
     cases = json.loads(sys.argv[1])
     results = []
-    x = torch.randn(8, 3)
+    x, q = torch.randn(8, 3), torch.randn(8, 4)
     for name, crow, col in cases:
         bsr = torch.sparse_bsr_tensor(torch.tensor(crow), torch.tensor(col), torch.randn(4, 2, 2),
                                       size=(8, 8), check_invariants=False)
@@ -45,6 +45,8 @@ _WORKER = textwrap.dedent(
             "sampled_addmm": lambda: bsrkit.sampled_addmm(bsr, torch.randn(8, 5), torch.randn(5, 8)),
             "bsr_scatter_mm": lambda: bsrkit.bsr_scatter_mm(bsr, x),
             "bsr_scatter_mm_indices_data": lambda: bsrkit.bsr_scatter_mm_indices_data(bsr, x),
+            "bsr_softmax": lambda: bsrkit.bsr_softmax(bsr),
+            "scaled_dot_product_attention": lambda: bsrkit.scaled_dot_product_attention(q, q, q, bsr),
         }
         for op, call in calls.items():
             try:
@@ -66,9 +68,10 @@ def test_malformed_patterns_raise_on_every_op(backend):
         pytest.importorskip("triton")
     env = {"BSRKIT_BACKEND": backend, "TRITON_INTERPRET": "1"}
     results = run_python(["-c", _WORKER, json.dumps(CASES)], env=env, timeout=300).json()  # (a crash fails)
-    assert len(results) == len(CASES) * 6
+    assert len(results) == len(CASES) * 8
+    names = {"sampled_addmm": "input", "bsr_softmax": "input", "scaled_dot_product_attention": "attn_mask"}
     for name, op, got, wrote_past_out in results:
-        arg = "input" if op == "sampled_addmm" else "bsr"
+        arg = names.get(op, "bsr")
         assert got.startswith(f"ValueError: {op}(): malformed {arg}"), (name, op, got)
         assert not wrote_past_out, (name, op)
 

@@ -28,9 +28,10 @@ allowed are skipped (:func:`bsrkit.mask_bias.block_bias`); memory beyond the inp
 The mask builders (:mod:`bsrkit.masks`, re-exported here) return bool BSR masks whose stored blocks are
 exactly those holding an allowed entry. NaN in ``query``, ``key`` or the bias reaches the output rows that
 attend it, as the math does; an entry a mask excludes stays excluded whatever its score. NaN or Inf in
-``value`` reaches every row whose stored blocks hold its key, allowed or not: the excluded entries of a
-stored block weigh it by an exact 0, and 0 * Inf is NaN (torch's SDPA weighs every key so, and gives NaN
-in every row). Under
+``value`` reaches the output of every row whose stored blocks hold its key, allowed or not: the excluded
+entries of a stored block weigh it by an exact 0, and 0 * Inf is NaN (torch's SDPA weighs every key so,
+and gives NaN in every row). So does NaN or Inf in ``key`` reach those rows' ``query`` gradient, except
+in the fused CPU backward (which skips excluded entries). Under
 ``torch.compile`` this runs eagerly (a graph break around the compiled loops).
 """
 
@@ -129,7 +130,7 @@ def scaled_dot_product_attention(
     sampled = dispatch.select(_OP, "sampled", device, dtype)
     softmax = dispatch.select(_OP, "softmax", device, dtype)
     addmm = dispatch.select(_OP, "addmm", device, dtype)
-    a = Operand.of(_pattern(attn_mask, tuple(batch)))
+    a = Operand.of(_pattern(attn_mask, tuple(batch)), _OP, "attn_mask")
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     fused = None
     if _may_fuse(sampled, softmax, addmm, a, query, value, dropout_p):

@@ -335,12 +335,17 @@ def sampled(
     alpha: float,
     meta: dict[str, Any] | None = None,
 ) -> torch.Tensor:
-    """``alpha * (mat1 @ mat2)`` at ``a``'s blocks: values of shape ``(*batch, nnz, Ms, Ns)``."""
+    """``alpha * (mat1 @ mat2)`` at ``a``'s blocks: values of shape ``(*batch, nnz, Ms, Ns)``. A
+    non-finite ``alpha`` scales the formed product (a gemm may scale an operand instead, and with
+    ``K == 0`` there is no operand): ``inf * 0`` and ``nan * x`` are NaN, as the formula says."""
     Ms, Ns = a.values.shape[-2:]
     shape = (mat1.shape[-2], mat1.shape[-1], mat2.shape[-1])
     name = tuning.TABLE_NAMES["sampled", ""]
     params = tuning.resolve(backend, name, mat1.device, mat1.dtype, shape, (Ms, Ns), meta, op)
-    values = backend.sampled(a, mat1, mat2, batch, alpha, params)
+    finite = math.isfinite(alpha)
+    values = backend.sampled(a, mat1, mat2, batch, alpha if finite else 1.0, params)
+    if not finite:
+        values.mul_(alpha)
     return values.reshape(*batch, *values.shape[1:])
 
 

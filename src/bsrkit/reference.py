@@ -190,9 +190,9 @@ def scaled_dot_product_attention(
     """Masked dense attention, in the inputs' dtype and differentiable (float64 inputs for gradients).
 
     Only the stored blocks of the BSR ``attn_mask`` take part; within them a bool mask's False entries
-    are excluded and a float mask's values are added to the scores; ``is_causal`` further excludes
-    ``j > i``. Rows with nothing left give 0. ``dropout_keep`` (bool, ``(..., L, S)``) is the kept set of
-    a dropout of rate ``dropout_p``.
+    are excluded and a float mask's values are added to the scores (``-inf`` excludes); ``is_causal``
+    further excludes ``j > i``. Rows with nothing left give 0. ``dropout_keep`` (bool, ``(..., L, S)``) is
+    the kept set of a dropout of rate ``dropout_p``.
     """
     L, S = query.shape[-2], key.shape[-2]
     scale = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
@@ -203,6 +203,7 @@ def scaled_dot_product_attention(
         allowed = allowed & values
     else:
         bias = values.to(query.dtype)
+        allowed = allowed & (bias != -torch.inf)  # (a row of -inf only has nothing allowed: 0, as torch's)
     if is_causal:
         allowed = allowed & torch.ones(L, S, dtype=torch.bool).tril()
     scores = (query @ key.mT) * scale + bias

@@ -53,7 +53,7 @@ def bsr_softmax(input: torch.Tensor, max_row_nnz: int | None = None) -> torch.Te
     backend = dispatch.select(op, "softmax", input.device, input.dtype)  # a bad override fails on any input
     if input._nnz() == 0 or input.numel() == 0:
         return input.clone()
-    a = Operand.of(input)
+    a = Operand.of(input, op, "input")
     values = input.values()
     if torch.is_grad_enabled() and values.requires_grad:
         y = BsrSoftmax.apply(values, backend, a._replace(values=a.values.detach()))
