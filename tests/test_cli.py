@@ -236,10 +236,11 @@ def test_demo_model_compares_dense_and_sparsified_and_checks_logits(capsys):
     assert "max relative difference" in out and out.rstrip().endswith("OK")
 
 
-def test_demo_model_rejects_a_hidden_size_it_cannot_split(capsys):
+@pytest.mark.parametrize("hidden", ["96", "0", "-64"])
+def test_demo_model_rejects_a_hidden_size_it_cannot_split(capsys, hidden):
     with pytest.raises(SystemExit):
-        main(["demo", "--model", "--hidden", "96"])
-    assert "--hidden must be a multiple of 64" in capsys.readouterr().err
+        main(["demo", "--model", "--hidden", hidden])
+    assert "--hidden must be a positive multiple of 64" in capsys.readouterr().err
 
 
 def test_bench_in_half_precision_marks_torchs_missing_kernel(capsys):

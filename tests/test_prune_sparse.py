@@ -423,3 +423,117 @@ def test_tied_layers_are_refused_by_name():
         filter_fn=lambda m, fqn: fqn == "0",
     )  # fmt: skip
     assert list(pruner.densities()) == ["0"]
+
+
+def test_the_pruner_skips_multihead_attentions_out_proj_and_refuses_it_by_name():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = nn.MultiheadAttention(64, 4, batch_first=True), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.mlp(self.attn(x, x, x)[0])
+
+    torch.manual_seed(0)
+    model = Block()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pruner = GradualPruner(model, opt, blocksize=16, target_density=0.25, start_step=0, end_step=2, every=1)
+    assert list(pruner.densities()) == ["mlp"]
+    x = torch.randn(2, 5, 64)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        pruner.step()
+    assert pruner.sparse_layers() == ["mlp"]
+    with pytest.raises(ValueError, match="'attn.out_proj', which cannot be block-sparse"):
+        GradualPruner(model, opt, blocksize=16, target_density=0.25, start_step=0, end_step=2, every=1,
+                      filter_fn=lambda m, fqn: fqn == "attn.out_proj")  # fmt: skip
+
+
+def test_a_skipped_scaler_step_moves_no_movement_score():
+    """A step a GradScaler skips leaves inf gradients: the movement scores stay finite (they became NaN
+    for the rest of the run, and every later choice was made on NaN)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pruner = GradualPruner(model, opt, blocksize=16, target_density=0.5, start_step=3, end_step=6, every=1,
+                           criterion="movement", sparse_below=None)  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(6):
+        loss = (model(torch.randn(8, 32)) - torch.randn(8, 4)).square().mean() * (1e34 if step == 0 else 1)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        pruner.step()
+        assert all(bool(layer.score.isfinite().all()) for layer in pruner._layers)
+    assert pruner.densities()["0"] == 0.5
+
+
+def test_lbfgs_trains_the_layers_the_pruner_swaps():
+    """LBFGS holds its group's parameter list and a flat history over all parameters: the swapped
+    parameter goes into that list, and the history starts again (it kept updating the old parameter)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+    pruner = GradualPruner(model, opt, blocksize=16, target_density=0.5, start_step=0, end_step=1, every=1,
+                           sparse_below=1.0)  # fmt: skip
+    x, y = torch.randn(64, 32), torch.randn(64, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    pruner.step()
+    values = model[0].values
+    before = values.detach().clone()
+    for _ in range(2):
+        opt.step(closure)
+        pruner.step()
+    assert any(p is values for p in opt.param_groups[0]["params"])
+    assert not torch.equal(before, values.detach())
+
+
+def test_after_finalize_a_resumed_run_continues_as_the_original():
+    """finalize() ends regrowth, and says so in the state dict: a run resumed from it does not regrow
+    either (it did, and the same checkpoint gave two runs)."""
+    import io
+
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        pruner = GradualPruner(model, opt, blocksize=16, target_density=0.5, start_step=0, end_step=1,
+                               every=1, regrow=RigL(0.5, every=2, decay="constant"))  # fmt: skip
+        return model, opt, pruner
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)) for _ in range(8)]
+
+    def train(model, opt, pruner, part):
+        for x, y in part:
+            opt.zero_grad()
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            pruner.step()
+
+    m1, o1, p1 = setup()
+    train(m1, o1, p1, batches[:3])
+    p1.finalize()
+    buf = io.BytesIO()
+    torch.save({"pruner": p1.state_dict(), "model": m1.state_dict(), "opt": o1.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    m2, o2, p2 = setup()
+    p2.load_state_dict(saved["pruner"])
+    m2.load_state_dict(saved["model"])
+    o2.load_state_dict(saved["opt"])
+    assert p2.finalized
+    train(m1, o1, p1, batches[3:])
+    train(m2, o2, p2, batches[3:])
+    assert torch.equal(p1.masks()["0"], p2.masks()["0"])
+    assert torch.equal(m1[0].to_dense(), m2[0].to_dense())

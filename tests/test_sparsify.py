@@ -169,6 +169,19 @@ def test_break_even_reads_the_tuning_table_before_the_defaults(tmp_path, monkeyp
     assert summary.swapped == 0 and "break-even 0.12" in summary.layers[0].reason
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -0.5, 7.0, True, "0.5"])
+def test_a_break_even_entry_out_of_range_is_ignored_with_a_warning(tmp_path, monkeypatch, bad):
+    from bsrkit import break_even, tuning
+
+    table = tmp_path / "tuning.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    monkeypatch.setattr(tuning, "_warned", set())
+    key = break_even.table_key(tuning.cpu_device_name(), torch.float32, (32, 32))
+    tuning.save_entries({key: {"density": bad}}, table)
+    with pytest.warns(tuning.TuningWarning, match="break-even entry"):
+        assert break_even.break_even_density("cpu", (32, 32)) == break_even.DEFAULTS["cpu"][32]
+
+
 def test_break_even_defaults_by_device_type_and_blocksize():
     from bsrkit import break_even
 
@@ -229,3 +242,46 @@ def test_layers_tied_to_one_weight_stay_tied():
     grad = torch.sparse_bsr_tensor(first.crow_indices, first.col_indices, first.values.grad, size=(8, 8))
     torch.testing.assert_close(grad.to_dense(), Wd.grad * (W != 0))
     assert len(list(model.parameters())) == 3  # values once, two biases
+
+
+def test_the_default_filter_leaves_layers_a_bsr_linear_cannot_stand_for():
+    """nn.MultiheadAttention reads out_proj.weight itself; an nn.Linear subclass with its own forward or
+    more state (LoRA) would lose it; a parametrized weight would lose its parametrization. The default
+    filter skips them; selecting one explicitly is a ValueError naming it; the model still runs."""
+
+    class LoRALinear(nn.Linear):
+        def __init__(self, i, o):
+            super().__init__(i, o)
+            self.lora_A = nn.Parameter(torch.randn(4, i) * 0.1)
+
+        def forward(self, x):
+            return super().forward(x) + (x @ self.lora_A.T).sum(-1, keepdim=True)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = nn.MultiheadAttention(64, 4, batch_first=True), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.mlp(self.attn(x, x, x)[0])
+
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, batch_first=True)
+    parts = [
+        Attention(),
+        LoRALinear(64, 64),
+        nn.utils.parametrizations.weight_norm(nn.Linear(64, 64)),
+        encoder,
+    ]
+    model = nn.Sequential(*parts).eval()
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        before = model(x)
+    summary = sparsify_(model, blocksize=16, density=1.0, force=True)
+    assert [r.fqn for r in summary.layers] == ["0.mlp"]
+    with torch.no_grad():  # (the encoder layer's inference fast path reads linear1.weight itself)
+        torch.testing.assert_close(model(x), before)
+    for fqn, why in (("0.attn.out_proj", "reads its out_proj.weight"), ("1", "its own forward"),
+                     ("2", "parametrized"), ("3.linear1", "TransformerEncoderLayer reads")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"selected '{fqn}', which cannot be block-sparse: .*{why}"):
+            sparsify_(model, blocksize=16, density=0.5, filter_fn=lambda m, name, fqn=fqn: name == fqn)

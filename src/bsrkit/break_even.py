@@ -70,8 +70,15 @@ def break_even_density(
     if device.type in ("cpu", "cuda"):
         key = table_key(_device_name(device), dtype, blocksize)
         entry = tuning.load_table().get(key) or tuning.shipped_entries().get(key)
-        if entry is not None and isinstance(entry.get("density"), (int, float)):
-            return float(entry["density"])
+        if entry is not None:
+            density = entry.get("density")
+            if isinstance(density, (int, float)) and not isinstance(density, bool) and 0 <= density <= 1:
+                return float(density)
+            tuning._warn_once(
+                f"break-even:{key}",
+                f"bsrkit: ignoring the tuning table's break-even entry {key}: expected a density in "
+                f"[0, 1], got {density!r}",
+            )
     return _default(device.type, blocksize)
 
 

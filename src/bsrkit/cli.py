@@ -497,9 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             setattr(args, name, getattr(args, name)[0])
         if args.model:
-            if args.hidden % 64 or args.hidden % args.blocksize or args.layers < 1:
+            if args.hidden < 64 or args.hidden % 64 or args.hidden % args.blocksize or args.layers < 1:
                 parser.error(
-                    f"--hidden must be a multiple of 64 and of --blocksize, --layers >= 1, got "
+                    f"--hidden must be a positive multiple of 64 and of --blocksize, --layers >= 1, got "
                     f"{args.hidden}, {args.blocksize}, {args.layers}"
                 )
         elif args.size % args.blocksize:

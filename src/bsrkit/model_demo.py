@@ -158,7 +158,7 @@ def compare(
     long = torch.randint(0, vocab, (1, prefill), generator=g)
     start = torch.randint(0, vocab, (1, prompt), generator=g)
     models: dict[str, torch.nn.Module] = {"dense (SDPA)": dense}
-    for d in densities:
+    for d in dict.fromkeys(densities):  # (a density given twice is one row: rows are named by density)
         sparse, summary = sparsified(dense, blocksize, d)
         models[f"density {d} ({summary.swapped} layers)"] = sparse
     if compile_backend is not None:  # (after the copies: each compiles its own forward)

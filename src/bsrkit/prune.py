@@ -56,7 +56,7 @@ from bsrkit import repattern
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
 from bsrkit.regrow import DenseGradient, RigL, drop_and_grow
-from bsrkit.sparsify import break_even_density, default_filter
+from bsrkit.sparsify import break_even_density, default_filter, replacement_problem
 from bsrkit.validation import check_blocksize
 
 __all__ = ["GradualPruner", "RigL", "cubic_density"]
@@ -153,6 +153,7 @@ class GradualPruner:
         self.start_step, self.end_step, self.every = start_step, end_step, every
         self.regrow = regrow
         self.steps = 0
+        self.finalized = False  # (after finalize: no more regrowth, in this run and a resumed one)
         selected = filter_fn or default_filter((bo, bi), model)
         self._layers: list[_Layer] = []
         weights: dict[int, str] = {}
@@ -164,6 +165,9 @@ class GradualPruner:
                 raise ValueError(
                     f"{op}: filter_fn selected {fqn!r}, a {type(module).__name__}, not an nn.Linear"
                 )
+            problem = replacement_problem(model, module, fqn)
+            if problem is not None:
+                raise ValueError(f"{op}: filter_fn selected {fqn!r}, which cannot be block-sparse: {problem}")
             out_f, in_f = module.out_features, module.in_features
             if out_f % bo or in_f % bi:
                 raise ValueError(
@@ -234,7 +238,10 @@ class GradualPruner:
         for layer in self._layers:
             weight = repattern.weight_of(layer.module)
             if self.criterion == "movement" and weight.grad is not None:
-                self._per_block(layer, -(weight * weight.grad), out=layer.score)
+                moved = self._per_block(layer, -(weight * weight.grad))
+                # A step a GradScaler skipped leaves inf gradients and moves nothing: its blocks add nothing
+                # (a where, not a check: no device synchronisation).
+                layer.score += torch.where(moved.isfinite(), moved, 0.0)
             new = layer.mask
             keep = round(density * new.numel())
             if keep < layer.kept:
@@ -275,6 +282,8 @@ class GradualPruner:
         if grad is None:
             return mask
         growth = repattern.block_view(grad.float(), self.blocksize).pow(2).sum((-1, -2))
+        if not bool(growth.isfinite().all()):  # (a step a GradScaler skipped: no gradient to grow by)
+            return mask
         return drop_and_grow(mask, self._magnitude(layer), growth, self.regrow.fraction_at(self.steps))
 
     def _move(self, layer: _Layer, new: torch.Tensor, sparse: bool | None = None) -> None:
@@ -294,10 +303,8 @@ class GradualPruner:
             return
         put(self.model, layer.places, module)
         layer.module = module
-        if layer.capture is not None:
-            layer.capture.remove()
-            layer.capture = None
-        if self.regrow is not None and isinstance(module, BSRLinear):
+        self._stop_capture(layer)
+        if self.regrow is not None and isinstance(module, BSRLinear) and not self.finalized:
             layer.capture = DenseGradient(module)
 
     def _arm(self) -> None:
@@ -314,13 +321,19 @@ class GradualPruner:
     def finalize(self) -> nn.Module:
         """Make each pruned layer a :class:`~bsrkit.nn.BSRLinear` holding exactly its final pattern (its
         kept blocks' weights and optimizer state; bias unchanged); returns the model (changed in place).
-        The optimizer can go on training it."""
+        The optimizer can go on training it; regrowth ends (in a run resumed from :meth:`state_dict` too).
+        """
+        self.finalized = True
         for layer in self._layers:
             self._move(layer, layer.mask, sparse=True)
-            if layer.capture is not None:
-                layer.capture.remove()
-                layer.capture = None
+            self._stop_capture(layer)
         return self.model
+
+    @staticmethod
+    def _stop_capture(layer: _Layer) -> None:
+        if layer.capture is not None:
+            layer.capture.remove()
+            layer.capture = None
 
     def state_dict(self) -> dict[str, Any]:
         """The step count, masks, movement scores and which layers are block-sparse (for checkpointing a
@@ -331,6 +344,7 @@ class GradualPruner:
             "masks": {layer.fqn: layer.mask.clone() for layer in self._layers},
             "scores": {layer.fqn: layer.score.clone() for layer in self._layers},
             "sparse": {layer.fqn: layer.sparse for layer in self._layers},
+            "finalized": self.finalized,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -348,9 +362,12 @@ class GradualPruner:
                     f"{layer.fqn!r}, got {tuple(mask.shape)}"
                 )
         self.steps = int(state["steps"])
+        self.finalized = bool(state.get("finalized", False))
         sparse = state.get("sparse", {})  # (absent from checkpoints before block-sparse training)
         for layer in self._layers:
             mask = state["masks"][layer.fqn].to(torch.bool).to(layer.mask.device)
             self._move(layer, mask.clone(), sparse=bool(sparse.get(layer.fqn, False)))
             layer.score = state["scores"][layer.fqn].float().to(layer.score.device).clone()
+            if self.finalized:
+                self._stop_capture(layer)
         self._arm()

@@ -108,8 +108,16 @@ def _replace(optimizer: torch.optim.Optimizer | None, old: nn.Parameter, new: nn
     """``new`` in ``old``'s place in the optimizer's parameter groups, with its state."""
     if optimizer is not None:
         for group in optimizer.param_groups:
-            group["params"] = [new if p is old else p for p in group["params"]]
-        if old in optimizer.state:
+            params = group["params"]
+            # (in place: LBFGS, for one, holds the group's list itself)
+            params[:] = [new if p is old else p for p in params]
+        if isinstance(optimizer, torch.optim.LBFGS) and new.shape != old.shape:
+            # Its state is one history over all parameters flattened, kept on the first: a parameter of
+            # another size makes that history meaningless (and its vectors the wrong length). Start again,
+            # its cached parameter count too (torch 2.11-2.13 name it _numel_cache).
+            optimizer.state.clear()
+            optimizer._numel_cache = None
+        elif old in optimizer.state:
             optimizer.state[new] = optimizer.state.pop(old)
     return new
 

@@ -24,7 +24,14 @@ from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
 from bsrkit.validation import check_blocksize, check_density
 
-__all__ = ["LayerReport", "SparsifySummary", "break_even_density", "default_filter", "sparsify_"]
+__all__ = [
+    "LayerReport",
+    "SparsifySummary",
+    "break_even_density",
+    "default_filter",
+    "replacement_problem",
+    "sparsify_",
+]
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -46,6 +53,38 @@ def _features(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def replacement_problem(model: nn.Module, module: nn.Module, fqn: str) -> str | None:
+    """Why ``module`` (a linear layer at ``fqn`` in ``model``) cannot become a ``BSRLinear``, or None.
+    The new layer computes ``x W^T + b`` from ``weight`` and ``bias`` alone, and is read as a module
+    only, so: no ``nn.Linear`` subclass with its own ``forward`` or more state (a LoRA layer would lose
+    its adapter), no parametrized weight (weight_norm, ``torch.nn.utils.parametrize``), and no layer whose
+    parent reads its ``weight`` itself (``nn.MultiheadAttention.out_proj``, the linear layers of an
+    ``nn.TransformerEncoderLayer``)."""
+    if isinstance(module, nn.Linear):
+        if nn.utils.parametrize.is_parametrized(module) or not isinstance(module.weight, nn.Parameter):
+            return "its weight is parametrized or not a Parameter (remove the parametrization first)"
+        if type(module).forward is not nn.Linear.forward:
+            return f"a {type(module).__name__} with its own forward (a BSRLinear would drop it)"
+        extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
+        extra += [n for n, _ in module.named_buffers()] + [n for n, _ in module.named_children()]
+        if extra:
+            return f"a {type(module).__name__} holding more than weight and bias ({', '.join(extra[:3])})"
+    parent_name, _, name = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    for kind, names in _READ_BY_PARENT:
+        if isinstance(parent, kind) and name in names:
+            return f"nn.{kind.__name__} reads its {name}.weight itself"
+    return None
+
+
+# Modules that read a child linear layer's weight themselves (not through its forward): MultiheadAttention
+# always, TransformerEncoderLayer on its inference fast path.
+_READ_BY_PARENT = (
+    (nn.MultiheadAttention, ("out_proj",)),
+    (nn.TransformerEncoderLayer, ("linear1", "linear2")),
+)
+
+
 def _output_head(model: nn.Module) -> nn.Module | None:
     getter = getattr(model, "get_output_embeddings", None)
     if callable(getter):
@@ -59,14 +98,17 @@ def _output_head(model: nn.Module) -> nn.Module | None:
 
 def default_filter(blocksize: tuple[int, int], model: nn.Module) -> Callable[[nn.Module, str], bool]:
     """Every ``nn.Linear`` or ``Conv1D`` of ``model`` whose shape the blocksize divides, except the output
-    head (the module ``model.get_output_embeddings()`` returns, or one named ``lm_head``)."""
+    head (the module ``model.get_output_embeddings()`` returns, or one named ``lm_head``) and the layers
+    a ``BSRLinear`` cannot stand for (:func:`replacement_problem`)."""
     head = _output_head(model)
 
     def selected(module: nn.Module, fqn: str) -> bool:
         features = _features(module)
         if features is None or module is head or fqn.rsplit(".", 1)[-1] == "lm_head":
             return False
-        return features[0] % blocksize[0] == 0 and features[1] % blocksize[1] == 0
+        if features[0] % blocksize[0] or features[1] % blocksize[1]:
+            return False
+        return replacement_problem(model, module, fqn) is None
 
     return selected
 
@@ -164,6 +206,11 @@ def sparsify_(
             raise ValueError(
                 f"sparsify_(): expected blocksize {(bo, bi)} to divide the (out, in) features of {fqn!r}, "
                 f"got {features}"
+            )
+        problem = replacement_problem(model, module, fqn)
+        if problem is not None:
+            raise ValueError(
+                f"sparsify_(): filter_fn selected {fqn!r}, which cannot be block-sparse: {problem}"
             )
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
         limit = break_even_density(weight.device, (bo, bi), weight.dtype)
