@@ -283,3 +283,15 @@ def run_python(
 def _describe(args: Sequence[str]) -> str:
     shown = [a if len(a) <= 60 else a[:57] + "..." for a in args[1:]]
     return "the child Python " + repr(shown)
+
+
+class AttentionBlock(torch.nn.Module):
+    """nn.MultiheadAttention (whose out_proj no BSRLinear can stand for) and a linear layer after it."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.attn(x, x, x)[0])

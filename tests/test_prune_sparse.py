@@ -17,7 +17,7 @@ from bsrkit.prune import GradualPruner, RigL
 from bsrkit.regrow import drop_and_grow
 from bsrkit.repattern import block_view, expand
 from bsrkit.sparsify import break_even_density
-from helpers import backends
+from helpers import AttentionBlock, backends
 
 BS = (8, 8)
 
@@ -426,16 +426,8 @@ def test_tied_layers_are_refused_by_name():
 
 
 def test_the_pruner_skips_multihead_attentions_out_proj_and_refuses_it_by_name():
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn, self.mlp = nn.MultiheadAttention(64, 4, batch_first=True), nn.Linear(64, 64)
-
-        def forward(self, x):
-            return self.mlp(self.attn(x, x, x)[0])
-
     torch.manual_seed(0)
-    model = Block()
+    model = AttentionBlock()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     pruner = GradualPruner(model, opt, blocksize=16, target_density=0.25, start_step=0, end_step=2, every=1)
     assert list(pruner.densities()) == ["mlp"]

@@ -10,6 +10,7 @@ from torch import nn
 import bsrkit
 from bsrkit.nn import BSRLinear
 from bsrkit.sparsify import break_even_density, sparsify_
+from helpers import AttentionBlock
 
 
 class Conv1D(nn.Module):
@@ -257,18 +258,10 @@ def test_the_default_filter_leaves_layers_a_bsr_linear_cannot_stand_for():
         def forward(self, x):
             return super().forward(x) + (x @ self.lora_A.T).sum(-1, keepdim=True)
 
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn, self.mlp = nn.MultiheadAttention(64, 4, batch_first=True), nn.Linear(64, 64)
-
-        def forward(self, x):
-            return self.mlp(self.attn(x, x, x)[0])
-
     torch.manual_seed(0)
     encoder = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, batch_first=True)
     parts = [
-        Attention(),
+        AttentionBlock(),
         LoRALinear(64, 64),
         nn.utils.parametrizations.weight_norm(nn.Linear(64, 64)),
         encoder,
