@@ -307,3 +307,26 @@ def test_transposed_product_of_expanded_values_copies_no_block(backend):
     assert_close(
         bsrkit.bsr_transposed_dense_mm(bsr, dense), reference.bsr_transposed_dense_mm(bsr, dense), k=32
     )
+
+
+def test_values_used_in_two_products_of_one_graph_through_one_wrapper_each():
+    """The README's recipe: one BSR wrapper per product over the same values (no copy). The gradients
+    reach the values as strided tensors, which autograd adds (two BSR gradients of one wrapper would
+    need torch's BSR + BSR, which fails on the CPU)."""
+    bsr = random_bsr((16, 12), (4, 4), 0.5, torch.float64)
+    crow, col = bsr.crow_indices(), bsr.col_indices()
+    values = bsr.values().clone().requires_grad_()
+    x1, x2 = torch.randn(12, 3, dtype=torch.float64), torch.randn(16, 5, dtype=torch.float64)
+
+    def wrapper():
+        return torch.sparse_bsr_tensor(crow, col, values, size=(16, 12))
+
+    loss = (
+        bsrkit.bsr_dense_mm(wrapper(), x1).square().sum()
+        + bsrkit.bsr_transposed_dense_mm(wrapper(), x2).sum()
+    )
+    loss.backward()
+    dense = reference.bsr_to_dense(bsr).requires_grad_()
+    ((dense @ x1).square().sum() + (dense.mT @ x2).sum()).backward()
+    expected = dense.grad.reshape(4, 4, 3, 4).transpose(1, 2)[reference.block_mask(bsr)[::4, ::4]]
+    torch.testing.assert_close(values.grad, expected)
