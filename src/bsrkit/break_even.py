@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from bsrkit import tuning
+from bsrkit.validation import is_density
 
 __all__ = ["DEFAULTS", "TABLE_NAME", "break_even_density", "measure", "table_key"]
 
@@ -72,7 +73,7 @@ def break_even_density(
         entry = tuning.load_table().get(key) or tuning.shipped_entries().get(key)
         if entry is not None:
             density = entry.get("density")
-            if isinstance(density, (int, float)) and not isinstance(density, bool) and 0 <= density <= 1:
+            if is_density(density):
                 return float(density)
             tuning._warn_once(
                 f"break-even:{key}",

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from bsrkit.environment import getenv, reader
+from bsrkit.validation import byte_span
 
 __all__ = ["CHECK_ENV", "Snapshot", "check_mode", "content_tensors", "with_data"]
 
@@ -123,15 +124,6 @@ def with_data(t: torch.Tensor, data: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.sparse_compressed_tensor(
         data[0], data[1], stub, size=t.shape, layout=t.layout, check_invariants=False
     )
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """(first byte, number of bytes) of the storage range ``t`` views: from its first element to its last."""
-    if t.numel() == 0:
-        return 0, 0
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    size = t.element_size()
-    return int(t.storage_offset()) * size, int(extent) * size
 
 
 def _host_region(storage: Any, start: int, nbytes: int) -> tuple[Any, ...]:
@@ -221,7 +213,7 @@ class Snapshot:
                 continue
             if storage.device.type == "meta":  # (a fake tensor: no data either)
                 continue
-            start, nbytes = _span(t)
+            start, nbytes = byte_span(t)
             if storage.device.type == "cpu":
                 where[-1] = ("host", len(host))
                 host.append(_host_region(storage, start, nbytes))

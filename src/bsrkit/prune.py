@@ -56,8 +56,8 @@ from bsrkit import repattern
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
 from bsrkit.regrow import DenseGradient, RigL, drop_and_grow
-from bsrkit.sparsify import break_even_density, default_filter, replacement_problem
-from bsrkit.validation import check_blocksize
+from bsrkit.sparsify import break_even_density, check_selected, default_filter
+from bsrkit.validation import check_blocksize, check_density
 
 __all__ = ["GradualPruner", "RigL", "cubic_density"]
 
@@ -122,12 +122,7 @@ class GradualPruner:
     ) -> None:
         op = "GradualPruner()"
         bo, bi = check_blocksize("GradualPruner", blocksize)
-        if isinstance(target_density, bool) or not isinstance(target_density, (int, float)):
-            raise TypeError(
-                f"{op}: expected target_density to be a number, got {type(target_density).__name__}"
-            )
-        if not 0 <= target_density <= 1:
-            raise ValueError(f"{op}: expected target_density in [0, 1], got {target_density}")
+        check_density("GradualPruner", target_density, "target_density")
         if not (0 <= start_step < end_step) or every < 1:
             raise ValueError(
                 f"{op}: expected 0 <= start_step < end_step and every >= 1, got start_step={start_step}, "
@@ -161,19 +156,11 @@ class GradualPruner:
             fqn = fqns[0]
             if not selected(module, fqn):
                 continue
-            if not isinstance(module, nn.Linear):
+            if not isinstance(module, nn.Linear):  # (no Conv1D either: the pruner moves nn.Linear weights)
                 raise ValueError(
                     f"{op}: filter_fn selected {fqn!r}, a {type(module).__name__}, not an nn.Linear"
                 )
-            problem = replacement_problem(model, module, fqn)
-            if problem is not None:
-                raise ValueError(f"{op}: filter_fn selected {fqn!r}, which cannot be block-sparse: {problem}")
-            out_f, in_f = module.out_features, module.in_features
-            if out_f % bo or in_f % bi:
-                raise ValueError(
-                    f"{op}: expected blocksize {(bo, bi)} to divide the (out, in) features of {fqn!r}, got "
-                    f"{(out_f, in_f)}"
-                )
+            out_f, in_f = check_selected(op, model, module, fqn, (bo, bi))
             tied = weights.setdefault(id(module.weight), fqn)
             if tied != fqn:
                 raise ValueError(

@@ -28,6 +28,7 @@ __all__ = [
     "LayerReport",
     "SparsifySummary",
     "break_even_density",
+    "check_selected",
     "default_filter",
     "replacement_problem",
     "sparsify_",
@@ -75,6 +76,28 @@ def replacement_problem(model: nn.Module, module: nn.Module, fqn: str) -> str | 
         if isinstance(parent, kind) and name in names:
             return f"nn.{kind.__name__} reads its {name}.weight itself"
     return None
+
+
+def check_selected(
+    where: str, model: nn.Module, module: nn.Module, fqn: str, blocksize: tuple[int, int]
+) -> tuple[int, int]:
+    """The ``(out, in)`` features of the layer ``filter_fn`` selected at ``fqn``, or a ``ValueError`` (from
+    ``where``) naming why it cannot become block-sparse: not a linear layer, features the blocksize does
+    not divide, or a :func:`replacement_problem`."""
+    features = _features(module)
+    if features is None:
+        raise ValueError(
+            f"{where}: filter_fn selected {fqn!r}, a {type(module).__name__}, not a linear layer"
+        )
+    if features[0] % blocksize[0] or features[1] % blocksize[1]:
+        raise ValueError(
+            f"{where}: expected blocksize {blocksize} to divide the (out, in) features of {fqn!r}, got "
+            f"{features}"
+        )
+    problem = replacement_problem(model, module, fqn)
+    if problem is not None:
+        raise ValueError(f"{where}: filter_fn selected {fqn!r}, which cannot be block-sparse: {problem}")
+    return features
 
 
 # Modules that read a child linear layer's weight themselves (not through its forward): MultiheadAttention
@@ -197,21 +220,7 @@ def sparsify_(
     # the tie holds through fine-tuning and the blocks are stored once.
     built_from: dict[tuple[bool, int], BSRLinear] = {}
     for fqn, module, fqns in chosen:
-        features = _features(module)
-        if features is None:
-            raise ValueError(
-                f"sparsify_(): filter_fn selected {fqn!r}, a {type(module).__name__}, not a linear layer"
-            )
-        if features[0] % bo or features[1] % bi:
-            raise ValueError(
-                f"sparsify_(): expected blocksize {(bo, bi)} to divide the (out, in) features of {fqn!r}, "
-                f"got {features}"
-            )
-        problem = replacement_problem(model, module, fqn)
-        if problem is not None:
-            raise ValueError(
-                f"sparsify_(): filter_fn selected {fqn!r}, which cannot be block-sparse: {problem}"
-            )
+        features = check_selected("sparsify_()", model, module, fqn, (bo, bi))
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
         limit = break_even_density(weight.device, (bo, bi), weight.dtype)
         if not force and density >= limit:

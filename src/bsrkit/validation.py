@@ -9,7 +9,7 @@ library catches it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -18,6 +18,7 @@ __all__ = [
     "ArgumentTypeError",
     "MixedDtypeError",
     "broadcast_batch",
+    "byte_span",
     "check_blocksize",
     "check_bsr",
     "check_density",
@@ -32,6 +33,7 @@ __all__ = [
     "check_size",
     "check_strided",
     "indices_data_defect",
+    "is_density",
     "may_share_memory",
     "pattern_defect",
 ]
@@ -180,12 +182,27 @@ def check_size(op: str, name: str, value: Any) -> int:
     return int(value)
 
 
-def check_density(op: str, density: Any) -> float:
-    """A fraction of blocks: a real number in [0, 1] (NaN refused)."""
-    check_scalar(op, "density", density)
-    if not 0 <= density <= 1:
-        raise ValueError(f"{op}(): expected density in [0, 1], got {density!r}")
+def is_density(value: Any) -> TypeGuard[float]:
+    """A fraction of blocks: a real number (not a bool) in [0, 1]; NaN is not one."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+
+
+def check_density(op: str, density: Any, name: str = "density") -> float:
+    """:func:`is_density`, or the error naming ``name``: a wrong type, or a value outside [0, 1]."""
+    check_scalar(op, name, density)
+    if not is_density(density):
+        raise ValueError(f"{op}(): expected {name} in [0, 1], got {density!r}")
     return float(density)
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """(first byte, number of bytes) of the storage range ``t`` views, from its first element to its last
+    (torch strides are never negative); ``(0, 0)`` for no element."""
+    if t.numel() == 0:
+        return 0, 0
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    size = t.element_size()
+    return int(t.storage_offset()) * size, int(extent) * size
 
 
 def may_share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -195,16 +212,8 @@ def may_share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    (a_lo, a_hi), (b_lo, b_hi) = _byte_span(a), _byte_span(b)
-    return a_lo < b_hi and b_lo < a_hi
-
-
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    lo = hi = int(t.storage_offset())
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        reach = int((size - 1) * stride)
-        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
-    return lo * t.element_size(), (hi + 1) * t.element_size()
+    (a_start, a_bytes), (b_start, b_bytes) = byte_span(a), byte_span(b)
+    return a_start < b_start + b_bytes and b_start < a_start + a_bytes
 
 
 def check_meta(op: str, meta: Any) -> None:
