@@ -178,3 +178,53 @@ def test_shipped_tables_are_valid_for_their_backend():
         assert shape in ("*,*,N<=64", "*,*,N>64") and bs in ("32x32", "64x64", "128x128")
         assert set(params) == set(schema), key
         assert all(schema[k].check(v) for k, v in params.items()), key
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores")
+@pytest.mark.parametrize("source", ["meta", "table", "default"])
+def test_a_chosen_thread_count_runs_below_the_serial_cut_off(tmp_path, monkeypatch, source):
+    """Small products run on the calling thread by default, but a thread count from ``meta`` or the
+    tuning table is kept (``bsrkit tune`` times each candidate count at its shape: it must run it)."""
+    from bsrkit.backends.cpu import backend as cpu_backend
+    from bsrkit.backends.cpu import running
+
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    monkeypatch.setattr(tuning, "_warned", {"fallback"})
+    seen = []
+    real_run, real_prepared = cpu_backend._run, running.prepared
+
+    def spy_run(kernel, nthreads, *args):
+        seen.append(nthreads)
+        return real_run(kernel, nthreads, *args)
+
+    def spy_prepared(kernel, full_args, *args):
+        seen.append(full_args.nthreads)
+        return real_prepared(kernel, full_args, *args)
+
+    monkeypatch.setattr(cpu_backend, "_run", spy_run)
+    monkeypatch.setattr(running, "prepared", spy_prepared)
+    g = torch.Generator().manual_seed(3)
+    bsr = random_bsr((32, 32), (8, 8), 0.5, generator=g)  # far below the cut-off
+    meta = {"nthreads": 2} if source == "meta" else None
+    table = tmp_path / "t.json"
+    entries = {
+        tuning.table_key(tuning.cpu_device_name(), name, torch.float32, shape, BLOCKS): {"nthreads": 2}
+        for name, shape in [
+            ("bsr_dense_mm", (32, 32, 1)),
+            ("bsr_dense_mm", (32, 32, 40)),
+            ("sampled_addmm", (32, 40, 32)),
+        ]
+    }
+    table.write_text(json.dumps({"format": "bsrkit-tuning", "version": 1, "entries": entries}))
+    if source == "table":
+        monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    else:
+        monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "none.json"))
+    for N in (1, 40):  # the vector loops, then the gemm loop
+        x = torch.randn((32, N), generator=g)
+        assert_close(bsrkit.bsr_dense_mm(bsr, x, meta=meta), reference.bsr_dense_mm(bsr, x), k=32)
+    a, b = torch.randn((32, 40), generator=g), torch.randn((40, 32), generator=g)
+    got = bsrkit.sampled_addmm(bsr, a, b)  # (no meta: the table's count, else the default's)
+    assert_close(got.to_dense(), reference.sampled_addmm(bsr, a, b).to_dense(), k=40)
+    chosen = 1 if source == "default" else 2
+    assert seen == [chosen, chosen, 2 if source == "table" else 1]

@@ -54,7 +54,17 @@ _DEFAULT_PANEL = 256
 
 # Below this many multiply-adds a product runs on the calling thread: starting numba's worker threads
 # costs ~0.1-0.2 ms per call (measured with the workqueue layer), about what 2**21 multiply-adds take.
+# Only the default thread count obeys it: a count from the tuning table or ``meta`` is the caller's (see
+# :func:`_threads`).
 _SERIAL_WORK = 2**21
+
+
+def _threads(params: Mapping[str, Any], work: int) -> int:
+    """The worker threads of a product of ``work`` multiply-adds: one below the serial cut-off when
+    ``params`` hold the default count (``serial_below``, set by :meth:`CpuBackend.complete_params`), else
+    ``params["nthreads"]`` (a tuned or given count was measured or asked for at this shape: kept)."""
+    return 1 if work < params.get("serial_below", 0) else params["nthreads"]
+
 
 # Up to this many columns bsr_dense_mm takes the vector loops (kernels.bsr_mm_small_kernel) instead of
 # a gemm per block: measured in docs/performance.md (benchmarks/decode.py). ``meta={"small_n": bool}``
@@ -186,7 +196,7 @@ def _addmm_small(
     batch: torch.Size,
     alpha: float,
     overwrite: bool,
-    nthreads: int,
+    params: Mapping[str, Any],
 ) -> Rerun | None:
     """``addmm`` on the vector loops for few columns (see :func:`kernels.bsr_mm_small_kernel`): dense is
     copied (zero-padded) into the layout they read unless it has it already, into a buffer that the
@@ -221,8 +231,7 @@ def _addmm_small(
             x = dense.new_zeros((*dense.shape[:-2], K, width))
             fill = _filler(x[..., :N], transposed=False)
         x_ld = x.stride(-2)
-    if math.prod(batch) * a.nnz * Ms * Ks * max(N, 4) < _SERIAL_WORK:
-        nthreads = 1
+    nthreads = _threads(params, math.prod(batch) * a.nnz * Ms * Ks * max(N, 4))
     crow_live, col_live, live_wide = running.live_indices(a, plan.crow, plan.col)
     Args: type[BsrMMSmallArgs] = kernel.Args
     args = Args(
@@ -289,6 +298,8 @@ class CpuBackend:
         chosen: dict[str, Any],
     ) -> dict[str, Any]:
         params = {"panel": _DEFAULT_PANEL, "nthreads": max(1, torch.get_num_threads()), **chosen}
+        if "nthreads" not in chosen:
+            params["serial_below"] = _SERIAL_WORK
         if kernel != "scatter_mm":  # (its tiles may join wider than shape[2])
             params["panel"] = min(params["panel"], max(shape[2], 1))
         # More workers than cores only adds scheduling (2**31 of them would never finish starting).
@@ -308,7 +319,7 @@ class CpuBackend:
         """See :meth:`bsrkit.backends.base.Backend.addmm`; returns the call kept for reuse, if any."""
         N = dense.shape[-1]
         if out.dtype in (torch.float32, torch.float64) and params.get("small_n", N <= _SMALL_N_MAX):
-            return _addmm_small(a, dense, out, batch, alpha, overwrite, params["nthreads"])
+            return _addmm_small(a, dense, out, batch, alpha, overwrite, params)
         kernel = kernels.bsr_mm_kernel()
         plan = a.plan("cpu_mm", a.transposed_block_cols)
         values = a.values
@@ -325,9 +336,7 @@ class CpuBackend:
         # (written through a copy when gemm cannot address it; the half gemm writes row-major only)
         target, c_rowmajor, ldc = _blas_operand(target, row_major_only=half)
 
-        nthreads = params["nthreads"]
-        if math.prod(batch) * a.nnz * Ms * Ks * N < _SERIAL_WORK:
-            nthreads = 1
+        nthreads = _threads(params, math.prod(batch) * a.nnz * Ms * Ks * N)
         crow_live, col_live, live_wide = running.live_indices(a, plan.crow, plan.col)
         Args: type[BsrMMArgs] = kernel.Args
         args = Args(
@@ -373,7 +382,7 @@ class CpuBackend:
         mat2, b_rowmajor, ldb = _blas_operand(mat2)
         half = mat1.dtype in (torch.float16, torch.bfloat16)
         out = torch.empty((B, nnz, Ms, Ns), dtype=torch.float32 if half else mat1.dtype)
-        nthreads = 1 if B * nnz * Ms * Ns * mat1.shape[-1] < _SERIAL_WORK else params["nthreads"]
+        nthreads = _threads(params, B * nnz * Ms * Ns * mat1.shape[-1])
         Args: type[SampledArgs] = kernel.Args
         args = Args(
             kind=_KINDS[mat1.dtype], rows=rows.numpy(), cols=cols.numpy(), nthreads=nthreads,
@@ -444,9 +453,9 @@ class CpuBackend:
             b_boff = _batch_offsets(others, len(batch), batch)
             c_boff = _batch_offsets(target, len(batch), batch)
             b_moff = c_moff = np.zeros(1, dtype=np.int64)
-        nthreads = params["nthreads"] if plan.disjoint else 1
-        if plan.pairs.shape[0] * Ms * Ks * Ns * math.prod(batch) < _SERIAL_WORK:
-            nthreads = 1  # (too small to pay for starting the worker threads)
+        nthreads = (
+            _threads(params, plan.pairs.shape[0] * Ms * Ks * Ns * math.prod(batch)) if plan.disjoint else 1
+        )
         Args: type[ScatterMMArgs] = kernel.Args
         args = Args(
             kind=_KINDS[accumulators.dtype], tiles=plan.tiles, pairs=plan.pairs, tasks=plan.tasks,
