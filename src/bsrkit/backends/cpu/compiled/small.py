@@ -27,6 +27,7 @@ from bsrkit.backends.cpu.compiled.support import (
     njit,
 )
 from bsrkit.backends.cpu.compiled.vector import (
+    prefetch,
     vfma,
     vlane,
     vload,
@@ -40,6 +41,10 @@ from bsrkit.backends.cpu.compiled.vector import (
 )
 
 __all__ = ["BsrMMSmallArgs", "bsr_mm_small"]
+
+# How far ahead of its reads the dot loop prefetches the blocks: one 32 x 32 float32 block. Measured on a
+# decode step's 56 layers streamed from memory (benchmarks/layer_sweep.py, docs/performance.md).
+PREFETCH_BYTES = 4096
 
 # Each helper computes one block row of one batch. A: the block values (element a0 + g * a_gs + i * a_rs
 # + k * a_cs of block g); X: the dense columns, copied (zero-padded) into the layout the helper reads; C:
@@ -135,6 +140,10 @@ def _dot_row(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c
                                 overwrite, zero)  # fmt: skip
         return
     vz = vzero(zero)
+    # One column (decode): each four-row step first asks for the cache lines PREFETCH_BYTES further along
+    # the blocks (2 * L elements a line), so that the stream does not wait at every page, where the
+    # hardware prefetchers stop. (Two and four columns do 2-4x the arithmetic a load: no gain measured.)
+    PD = PREFETCH_BYTES // (32 // L)  # (elements: L lanes are 32 bytes)
     for e in range(0, Ms * Wp * L, L):
         vstore(V, e, vz)
     for g in range(g0, g1):
@@ -144,6 +153,8 @@ def _dot_row(A, a0, a_gs, a_rs, X, x0, x_ld, pairs, cols, g0, g1, C, c0, c_rs, c
             i = 0
             while i + 4 <= Ms:  # four rows at once: four independent sums
                 r = ab + i * a_rs
+                for e in range(0, 4 * a_rs, 2 * L):
+                    prefetch(A, r + PD + e)
                 p0 = vload(V, i * L)
                 p1 = vload(V, (i + 1) * L)
                 p2 = vload(V, (i + 2) * L)

@@ -15,7 +15,7 @@ from typing import Any
 
 from llvmlite import ir
 from numba import types
-from numba.core import errors
+from numba.core import cgutils, errors
 from numba.extending import intrinsic, models, register_model
 
 from bsrkit.backends.cpu.compiled.intrinsics import I32
@@ -190,3 +190,19 @@ def vmul(typingctx, a, b):
         return builder.fmul(*llargs)
 
     return a(a, b), codegen
+
+
+@intrinsic
+def prefetch(typingctx, p, offset):
+    """A hint to bring the cache line of ``p[offset]`` into the caches (``llvm.prefetch``: read, high
+    locality); never faults, so ``offset`` may point past the data."""
+    float_pointer(p)
+    fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), I32, I32, I32])
+
+    def codegen(context, builder, signature, llargs):
+        where = builder.gep(llargs[0], [context.cast(builder, llargs[1], signature.args[1], types.intp)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(where, fnty.args[0]), I32(0), I32(3), I32(1)])
+        return context.get_dummy_value()
+
+    return types.void(p, offset), codegen
