@@ -62,6 +62,7 @@ from bsrkit.validation import (
     check_same_device,
     check_same_dtype,
     check_strided,
+    resolved,
 )
 
 __all__ = [
@@ -111,6 +112,7 @@ def scaled_dot_product_attention(
     products and softmax accumulate in float32.
     """
     _check_inputs(query, key, value, attn_mask)
+    query, key, value = resolved(query), resolved(key), resolved(value)  # (the kernels read memory)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p <= 1:
         raise ValueError(f"{_OP}(): expected dropout_p to be a number in [0, 1], got {dropout_p!r}")
     if not isinstance(is_causal, bool):

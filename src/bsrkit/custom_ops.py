@@ -19,7 +19,7 @@ import torch
 from bsrkit import dispatch, ops, shortcuts
 from bsrkit.freshness import check_mode
 from bsrkit.operand import Operand
-from bsrkit.validation import check_operand_dtypes, check_same_device
+from bsrkit.validation import check_operand_dtypes, check_same_device, resolved
 
 __all__ = ["bsr_mm", "linear", "linear_product", "linear_product_op", "sampled_mm"]
 
@@ -43,6 +43,8 @@ def linear_product(
     The kernel writes :math:`y^T = W x^T` into the transposed view of a row-major ``y`` (its rows: every
     leading index of ``x``): ``x^T`` is a column-major view, read without a copy where ``x``'s rows are
     one strided matrix, and the output has the layout every later op expects."""
+    if x.is_neg():
+        x = resolved(x)  # (the kernels read memory)
     weight, calls = shortcuts.kept_weight(crow, col, values, (M, K))
     y = x.new_empty(*x.shape[:-1], K if transposed else M)  # (sizes as arguments: ~0.5 µs less than a tuple)
     # What the checks and the prepared call of this product depend on beyond the kept weight's own (fixed)

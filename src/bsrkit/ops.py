@@ -31,6 +31,7 @@ from bsrkit.validation import (
     check_scalar,
     check_strided,
     may_share_memory,
+    resolved,
 )
 
 __all__ = [
@@ -184,6 +185,20 @@ def checked_addmm(
 
     ``checked``: the :class:`~bsrkit.shortcuts.CheckedCall` of an earlier call with the same metadata
     (:func:`checked_call`), which skips the checks; ``operand``: ``Operand.of(bsr)``, if the caller has it."""
+    if isinstance(dense, torch.Tensor) and dense.is_neg():
+        dense = resolved(dense)  # (the kernels read memory: see validation.resolved)
+    if input is not None or left is not None or right is not None:
+        input, left, right = (
+            t if not isinstance(t, torch.Tensor) else resolved(t) for t in (input, left, right)
+        )
+    if isinstance(out, torch.Tensor) and out.is_neg() and not _needs_grad(input, bsr, dense, left, right):
+        # Written through a plain tensor, then copied in (torch's copy_ writes a negative view right).
+        result = checked_addmm(
+            op, input, bsr, dense, beta=beta, alpha=alpha, out=None, meta=meta, transpose=transpose,
+            left=left, right=right, operand=operand,
+        )  # fmt: skip
+        check_out(op, out, result.shape, result.dtype, result.device)
+        return out.copy_(result)
     signature = None
     if checked is None and input is None and left is None and right is None and meta is None:
         signature = _call_signature(op, transpose, bsr, dense, out, beta, alpha)
@@ -447,6 +462,7 @@ def sampled_addmm(
             f"{op}(): expected out=None when an argument requires grad (out= is not differentiable)"
         )
     backend = dispatch.select(op, "sampled", mat1.device, mat1.dtype)
+    mat1, mat2 = resolved(mat1), resolved(mat2)  # (the kernels read memory)
     a = Operand.of(input, op, "input")
     if differentiable:
         values = autograd.SampledAddmm.apply(op, backend, input, a, mat1, mat2, batch, beta, alpha)

@@ -23,6 +23,7 @@ from bsrkit.validation import (
     check_same_dtype,
     check_strided,
     may_share_memory,
+    resolved,
 )
 
 __all__ = ["bsr_scatter_mm", "bsr_scatter_mm_indices_data", "scatter_mm"]
@@ -180,6 +181,7 @@ def _scatter_mm(
         check_out(op, accumulators, acc_shape, blocks.dtype, blocks.device, "accumulators", distinct=False)
     if accumulators.numel() == 0:
         return accumulators
+    blocks, others = resolved(blocks), resolved(others)  # (the kernels read memory)
     _run_scatter(op, blocks, others, indices_data, accumulators, tuple(others.shape), acc_shape, overwrite)
     return accumulators
 
@@ -242,6 +244,7 @@ def bsr_scatter_mm(
     check_strided(op, "other", other)
     check_same_dtype(op, "other", other, "bsr", bsr)
     check_same_device(op, "other", other, "bsr", bsr)
+    other = resolved(other)  # (the kernels read memory)
     M, K = bsr.shape
     if other.shape[-2] != K:
         raise ValueError(f"{op}(): expected other.shape[-2] == {K} (bsr.shape[-1]), got {other.shape[-2]}")

@@ -36,6 +36,7 @@ __all__ = [
     "is_density",
     "may_share_memory",
     "pattern_defect",
+    "resolved",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -79,6 +80,15 @@ def check_dtype(
 ) -> None:
     if t.dtype not in dtypes:
         raise ArgumentTypeError(f"{op}(): expected {name}.dtype in {_names(dtypes)}, got {t.dtype}")
+
+
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its negative bit materialised (a copy, as ``t.resolve_neg()``), else ``t`` itself.
+
+    A negative view (``torch._neg_view``, the ``.imag`` of a conjugate) shares memory that holds
+    ``-t``; torch's ops read the bit, while bsrkit's kernels read the memory: every dense operand passes
+    through here first. (Real dtypes carry no conjugate bit.)"""
+    return t.resolve_neg() if t.is_neg() else t
 
 
 def check_strided(op: str, name: str, t: Any, min_ndim: int = 2) -> None:
