@@ -367,3 +367,13 @@ def test_transformers_model_built_on_meta(tmp_path):
     tokens = torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, "float32", torch.complex64])
+def test_load_sparse_names_a_dtype_that_is_not_floating(tmp_path, dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    sparsify_(model, blocksize=8, density=0.5, force=True)
+    save_sparse(model, tmp_path / "m.safetensors")
+    with pytest.raises(TypeError, match="load_sparse\\(\\): expected dtype to be a floating torch.dtype"):
+        load_sparse(model, tmp_path / "m.safetensors", dtype=dtype)

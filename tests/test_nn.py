@@ -1,5 +1,6 @@
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -635,3 +636,65 @@ def test_frozen_weights_take_the_no_grad_path_and_input_grads_still_flow():
     xg = torch.randn(2, 16, requires_grad=True)
     layer(xg).sum().backward()
     assert_close(xg.grad, _dense_twin(layer).weight.sum(0).expand(2, 16), k=8)
+
+
+def test_a_load_that_fails_after_resizing_leaves_the_layer_as_it_was():
+    """A checkpoint of another nnz whose values cannot be copied (torch reports the failure after the
+    layer made room for the new nnz): the layer keeps its pattern and values, not uninitialised memory."""
+    source, layer = _layer(0.3, 0), _layer(0.8, 1)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        y = layer(x)
+    state = dict(source.state_dict())
+    state["values"] = state["values"].to("meta")  # passes the checks, fails in torch's copy
+    with pytest.raises(RuntimeError):
+        layer.load_state_dict(state)
+    after = layer.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with torch.no_grad():
+        assert torch.equal(layer(x), y)
+
+
+@pytest.mark.parametrize("density", [0.25, 0.5])  # another nnz, then the same
+def test_tied_layers_load_a_checkpoint_and_stay_tied(density):
+    def tied(density):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+        model[2].weight = model[0].weight
+        bsrkit.sparsify_(model, blocksize=4, density=density, force=True)
+        return model
+
+    source, model = tied(0.25), tied(0.5)
+    model.load_state_dict(tied(density).state_dict() if density == 0.5 else source.state_dict())
+    expected = source if density == 0.25 else tied(0.5)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected(x))
+    first, second = model[0], model[2]
+    assert first.values is second.values
+    assert first.crow_indices is second.crow_indices and first.col_indices is second.col_indices
+
+
+@pytest.mark.parametrize(
+    "x, error, match",
+    [
+        ([[1.0] * 64], TypeError, "expected x to be a torch.Tensor, got list"),
+        (None, TypeError, "expected x to be a torch.Tensor, got NoneType"),
+        (np.ones((2, 64), np.float32), TypeError, "expected x to be a torch.Tensor, got ndarray"),
+        (torch.eye(64)[:2].to_sparse_csr(), TypeError, "expected x to be a strided"),
+        (torch.eye(64)[:2].to_sparse(), TypeError, "expected x to be a strided"),
+    ],
+)
+def test_forward_names_an_input_that_is_not_a_dense_tensor(x, error, match):
+    with pytest.raises(error, match=match):
+        _layer(0.5, 0)(x)
+
+
+def test_a_bias_of_another_dtype_raises_like_f_linear():
+    layer = _layer(0.5, 0)
+    layer.bias = torch.nn.Parameter(layer.bias.detach().double())
+    with pytest.raises(RuntimeError, match=r"bias\.dtype == torch\.float32"):
+        layer(torch.randn(2, 64))
+    with pytest.raises(RuntimeError):  # (torch's own)
+        torch.nn.functional.linear(torch.randn(2, 64), layer.to_dense(), layer.bias)

@@ -257,6 +257,8 @@ def load_sparse(
     assigned; tied parameters are re-tied (one ``Parameter`` again). Raises ``ValueError`` naming the
     entry for a file that does not match the model.
     """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"load_sparse(): expected dtype to be a floating torch.dtype or None, got {dtype!r}")
     record = read_sparse_metadata(path)
     device = torch.device(device)
     if isinstance(model_or_factory, nn.Module):

@@ -29,6 +29,11 @@ from bsrkit.validation import (
 __all__ = ["BSRLinear"]
 
 
+def _rebind(t: torch.Tensor, source: torch.Tensor) -> None:
+    """``t`` (the same object) now views ``source``'s memory, as ``t.set_(source)``."""
+    t.set_(source.untyped_storage(), source.storage_offset(), source.shape, source.stride())
+
+
 def _needs_grad(x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and (
         x.requires_grad or values.requires_grad or (bias is not None and bias.requires_grad)
@@ -143,16 +148,22 @@ class BSRLinear(nn.Module):
         return self.to_bsr().detach().to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.ndim or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"BSRLinear.forward(): expected x of shape (*, {self.in_features}), got {tuple(x.shape)}"
-            )
+        try:
+            bad = not x.ndim or x.shape[-1] != self.in_features or x.layout is not torch.strided
+        except AttributeError:  # (not a tensor: checked below)
+            bad = True
+        if bad:
+            self._refuse(x)
         # (the tables Module.__getattr__ would search: 0.1 µs a read instead of 0.8, on every decode step)
         params, buffers = self._parameters, self._buffers
         values, bias = params["values"], params["bias"]
         assert values is not None
-        if x.dtype is not values.dtype:
+        if x.dtype is not values.dtype or (bias is not None and bias.dtype is not values.dtype):
+            if not isinstance(x, torch.Tensor):
+                self._refuse(x)
             check_operand_dtypes("BSRLinear.forward", "x", x, "values", values)
+            if bias is not None:  # (as F.linear: one dtype for the three)
+                check_operand_dtypes("BSRLinear.forward", "bias", bias, "values", values)
         crow, col = buffers["crow_indices"], buffers["col_indices"]
         assert crow is not None and col is not None
         M, K = self.out_features, self.in_features
@@ -163,6 +174,16 @@ class BSRLinear(nn.Module):
             return custom_ops.linear_product_op(crow, col, values, x, bias, M, K, False)
         # (no gradient to record: the product itself, on x as it is, without the dispatcher's ~30 µs)
         return custom_ops.linear_product(crow, col, values, x, bias, M, K, False)
+
+    def _refuse(self, x: Any) -> None:
+        """Raise the error that names what is wrong with ``x`` (not a tensor, not strided, a shape that
+        does not end in ``in_features``)."""
+        op = "BSRLinear.forward()"
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: expected x to be a torch.Tensor, got {type(x).__name__}")
+        if x.layout is not torch.strided:
+            raise TypeError(f"{op}: expected x to be a strided (dense) tensor, got layout {x.layout}")
+        raise ValueError(f"{op}: expected x of shape (*, {self.in_features}), got {tuple(x.shape)}")
 
     def _load_from_state_dict(
         self,
@@ -180,16 +201,32 @@ class BSRLinear(nn.Module):
         crow, col, values = (state_dict.get(prefix + n) for n in names)
         plain = all(type(t) is torch.Tensor and t.device.type != "meta" for t in (crow, col, values))
         nnz = self._check_checkpoint(state_dict, prefix, crow, col, values, plain)
-        if nnz is not None and nnz != self.values.shape[0]:
+        # (col_indices too: a tied layer, see sparsify_, finds the values its twin resized already)
+        resize = nnz is not None and (nnz != self.values.shape[0] or nnz != self.col_indices.shape[0])
+        before = self._parts() if resize else None
+        if nnz is not None and resize:
             self._resize(nnz)
+        errors = len(error_msgs)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        if before is not None and len(error_msgs) > errors:
+            self._restore(before)  # (not the new nnz's uninitialised values: the layer as it was)
+            return
         if plain:
             # New memory for the loaded pattern (the plans would see an in-place copy too: they compare
-            # the index data on every hit; fresh storage drops the old plans at once instead).
-            self.crow_indices = self.crow_indices.clone()
-            self.col_indices = self.col_indices.clone()
+            # the index data on every hit; fresh storage drops the old plans at once instead). In place
+            # (set_), so that layers sharing the buffers (tied by sparsify_) keep sharing them; assigned
+            # buffers are the checkpoint's own tensors: replaced by copies instead.
+            assign = local_metadata.get("assign_to_params_buffers", False)
+            with torch.no_grad():
+                for name in ("crow_indices", "col_indices"):
+                    t = self._buffers[name]
+                    assert t is not None
+                    if assign:
+                        setattr(self, name, t.clone())
+                    else:
+                        _rebind(t, t.clone())
 
     def _check_checkpoint(
         self,
@@ -247,12 +284,32 @@ class BSRLinear(nn.Module):
         """Make room for ``nnz`` blocks (the loader then copies or assigns the checkpoint's tensors). The
         ``values`` Parameter stays the same object, as ``nn.Linear``'s weight does through a load: an
         optimizer built before the load keeps training it (its state for the old shape must be replaced,
-        as the usual ``optimizer.load_state_dict`` after the model's does). Its old gradient is dropped."""
-        values = self.values
+        as the usual ``optimizer.load_state_dict`` after the model's does). Its old gradient is dropped.
+        ``col_indices`` stays the same object too (new memory, ``set_``): layers that share it stay tied."""
+        values, col = self.values, self.col_indices
         with torch.no_grad():
-            values.data = values.new_empty((nnz, *values.shape[1:]))
-        values.grad = None
-        self.col_indices = self.col_indices.new_empty(nnz)
+            if values.shape[0] != nnz:
+                values.data = values.new_empty((nnz, *values.shape[1:]))
+                values.grad = None
+            if col.shape[0] != nnz:
+                _rebind(col, col.new_empty(nnz))
+
+    def _parts(self) -> tuple[Any, ...]:
+        """What :meth:`_restore` needs to put the layer back as it is now (after a failed load)."""
+        values, crow, col, bias = self.values, self.crow_indices, self.col_indices, self.bias
+        kept_bias = None if bias is None else bias.detach().clone()
+        return (values, values.data, values.grad, crow, crow.clone(), col, col.detach(), bias, kept_bias)
+
+    def _restore(self, parts: tuple[Any, ...]) -> None:
+        values, data, grad, crow, crow_copy, col, col_alias, bias, bias_copy = parts
+        with torch.no_grad():
+            values.data, values.grad = data, grad
+            crow.copy_(crow_copy)
+            _rebind(col, col_alias)
+            if bias is not None:
+                bias.copy_(bias_copy)
+        self._parameters["values"], self._parameters["bias"] = values, bias
+        self._buffers["crow_indices"], self._buffers["col_indices"] = crow, col
 
     def extra_repr(self) -> str:
         nnz = self.values.shape[0]
