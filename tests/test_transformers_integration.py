@@ -122,3 +122,42 @@ def test_the_model_comparison_can_compile_every_forward():
     with torch.no_grad():
         compiled, eager = sparse(tokens).logits, type(sparse).forward(sparse, tokens).logits
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_a_custom_mask_written_in_place_is_read_again():
+    """transformers passes a user's 4-D bool mask through: the BSR mask cached for it is proven against
+    the mask's bytes, so a write no version counter sees (numpy, ``.data``) gives the new attention."""
+    ours, theirs = _pair()
+    tokens = torch.randint(0, 97, (1, 32), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(1, 1, 32, 32, dtype=torch.bool).tril()
+    with torch.no_grad():
+        ours(tokens, attention_mask=mask)
+        mask.numpy()[0, 0, 16:, :16] = False  # the second half no longer sees the first
+        torch.testing.assert_close(
+            ours(tokens, attention_mask=mask).logits, theirs(tokens, attention_mask=mask).logits, **TOL
+        )
+        mask.data[0, 0, 16:, :8] = True
+        torch.testing.assert_close(
+            ours(tokens, attention_mask=mask).logits, theirs(tokens, attention_mask=mask).logits, **TOL
+        )
+
+
+@pytest.mark.parametrize("L, S, causal", [(16, 16, False), (16, 32, True)])
+def test_grouped_heads_fall_back_to_sdpa_unrepeated(L, S, causal):
+    """The fallbacks take key and value as given: transformers' SDPA path repeats grouped heads itself
+    (they were repeated twice: a shape error where it cannot use enable_gqa, e.g. key and value of other
+    head dims)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups = 2
+        is_causal = causal
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (
+        torch.randn(1, 4, L, 8, generator=g),
+        torch.randn(1, 2, S, 8, generator=g),
+        torch.randn(1, 2, S, 4, generator=g),
+    )
+    want = sdpa_attention_forward(Attention(), q, k, v, None)[0]
+    torch.testing.assert_close(hf.attention_forward(Attention(), q, k, v, None)[0], want)

@@ -41,9 +41,11 @@ def _blocksize(L: int, S: int) -> int | None:
     return next((b for b in BLOCKSIZES if L % b == 0 and S % b == 0), None)
 
 
-@weak_lru_cache(maxsize=8)
+@weak_lru_cache(maxsize=8, verify_contents=True)
 def _bsr_of(mask: torch.Tensor, blocksize: int) -> torch.Tensor:
-    """The bool BSR mask of a model's dense bool mask, one per mask tensor (the layers share it)."""
+    """The bool BSR mask of a model's dense bool mask, one per mask tensor (the layers share it). A hit
+    compares the mask's bytes with the ones it was built from: a user's 4-D mask written through numpy or
+    ``.data`` (no version counter moves) is rebuilt, as every cache hit in bsrkit is proven."""
     return mask_from_dense(mask, blocksize)
 
 
@@ -82,8 +84,6 @@ def attention_forward(
             **kwargs,
         )
     assert blocksize is not None
-    groups = getattr(module, "num_key_value_groups", 1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         # (no mask: plain causal attention, or none; transformers' causal is top-left aligned when L == S)
@@ -106,6 +106,9 @@ def attention_forward(
             )
     else:
         mask = _bsr_of(attention_mask, blocksize)
+    # (after the fallbacks: sdpa_attention_forward repeats grouped key/value heads itself)
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     out = bsrkit.scaled_dot_product_attention(query, key, value, mask, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
