@@ -185,8 +185,11 @@ def checked_addmm(
 
     ``checked``: the :class:`~bsrkit.shortcuts.CheckedCall` of an earlier call with the same metadata
     (:func:`checked_call`), which skips the checks; ``operand``: ``Operand.of(bsr)``, if the caller has it."""
-    if isinstance(dense, torch.Tensor) and dense.is_neg():
-        dense = resolved(dense)  # (the kernels read memory: see validation.resolved)
+    try:
+        if dense.is_neg():
+            dense = resolved(dense)  # (the kernels read memory: see validation.resolved)
+    except AttributeError:  # (not a tensor: validation names it; try costs nothing where it passes)
+        pass
     if input is not None or left is not None or right is not None:
         input, left, right = (
             t if not isinstance(t, torch.Tensor) else resolved(t) for t in (input, left, right)
