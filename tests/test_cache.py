@@ -516,3 +516,18 @@ def test_a_view_of_an_argument_inside_an_object_is_refused_and_its_bytes_counted
     del x
     gc.collect()
     assert storage() is None and owning.cache_info().currsize == 0
+
+
+def test_verify_contents_hands_the_function_its_arguments_negative_and_conjugate_bits():
+    """With verify_contents the function runs on the kept copy of its argument's bytes: it must read it
+    as the argument reads (a negative or conjugate view holds the memory of another value)."""
+
+    @weak_lru_cache(maxsize=8, verify_contents=True)
+    def total(t):
+        return t.sum().clone()
+
+    x = torch.arange(6.0)
+    assert total(torch._neg_view(x)).item() == -15.0
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    assert total(z.conj()).item() == (4 - 1j)
+    assert total(z.conj().imag).item() == -1.0

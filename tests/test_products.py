@@ -399,6 +399,49 @@ def test_an_out_with_overlapping_elements_is_refused_on_every_path():
     assert_close(out, reference.bsr_dense_mm(bsr, x), k=8)
 
 
+def test_out_sharing_memory_with_the_blocks_is_refused():
+    """The kernels read the blocks while they write out (torch.mm(a, b, out=a) is right; bsrkit refuses
+    it, as it refuses out on dense's memory)."""
+    buf = torch.randn(16 * 16)
+    crow, col = torch.tensor([0, 2, 4, 6, 8]), torch.tensor([0, 2, 1, 3, 0, 2, 1, 3])
+    bsr = torch.sparse_bsr_tensor(crow, col, buf[:128].view(8, 4, 4), size=(16, 16))
+    d = torch.randn(16, 16)
+    for call in (
+        lambda out: bsrkit.bsr_dense_mm(bsr, d, out=out),
+        lambda out: bsrkit.bsr_dense_addmm(torch.zeros(16, 16), bsr, d, out=out),
+        lambda out: bsrkit.bsr_transposed_dense_mm(bsr, d, out=out),
+    ):
+        with pytest.raises(ValueError, match="not to share memory with bsr's values"):
+            call(buf.view(16, 16))
+    out = torch.empty(16, 16)
+    bsrkit.bsr_dense_mm(bsr, d, out=out)  # (its own memory: accepted)
+    assert_close(out, reference.bsr_dense_mm(bsr, d), k=16)
+
+
+def test_a_repeated_call_checks_out_s_strides_again():
+    """A call's checks are kept by its metadata: an expanded out after a plain out of the same shape is
+    refused all the same (whether out's elements are distinct memory depends on its strides)."""
+    bsr = random_bsr((16, 16), (4, 4), 0.6)
+    d = torch.randn(16, 8)
+    for _ in range(2):
+        bsrkit.bsr_dense_mm(bsr, d, out=torch.empty(16, 8))
+        with pytest.raises(ValueError, match="expected out whose elements are distinct memory"):
+            bsrkit.bsr_dense_mm(bsr, d, out=torch.zeros(1, 8).expand(16, 8))
+
+
+def test_sampled_addmm_gives_its_result_its_own_index_memory():
+    """As torch's: a later write to input's pattern does not change an earlier result."""
+    crow, col = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    input = torch.sparse_bsr_tensor(crow, col, torch.randn(2, 2, 2), size=(4, 4))
+    m1, m2 = torch.randn(4, 3), torch.randn(3, 4)
+    result = bsrkit.sampled_addmm(input, m1, m2)
+    before = result.to_dense().clone()
+    for got, theirs in ((result.crow_indices(), crow), (result.col_indices(), col)):
+        assert got.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()
+    input.col_indices().copy_(torch.tensor([1, 0]))
+    assert torch.equal(result.to_dense(), before)
+
+
 def test_out_beside_dense_in_one_buffer_is_accepted():
     """Two halves of one buffer share a storage but no memory: out may be one, dense the other."""
     bsr = random_bsr((8, 8), (2, 2), 0.6)

@@ -251,7 +251,13 @@ class Snapshot:
                 if kept is None:
                     kept = _bytes_of(t.untyped_storage(), region.start, region.size).clone()
                 data = kept
-            out.append(data.view(t.dtype).as_strided(t.shape, t.stride(), 0))
+            copy = data.view(t.dtype).as_strided(t.shape, t.stride(), 0)
+            # (the kept bytes are the memory; the conjugate and negative bits say how t reads it)
+            if t.is_conj():
+                copy = copy.conj()
+            if t.is_neg():
+                copy = torch._neg_view(copy)
+            out.append(copy)
         return tuple(out)
 
     def unchanged(self) -> bool:

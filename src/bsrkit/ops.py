@@ -250,6 +250,10 @@ def checked_addmm(
     elif may_share_memory(out, dense):
         # The kernels read dense while writing out: shared memory would give a silently wrong result.
         raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
+    elif may_share_memory(out, bsr.values()):  # (so do the blocks)
+        raise ValueError(
+            f"{op}(): expected out not to share memory with bsr's values, got overlapping tensors"
+        )
     if not unproven:
         return dispatch.addmm(
             op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked
@@ -294,7 +298,16 @@ def _call_signature(
     if out is None:
         out_signature: Any = None
     elif isinstance(out, torch.Tensor):
-        out_signature = (type(out), out.layout, out.dtype, out.device, out.shape, out.requires_grad)
+        # (the strides too: whether out's elements are distinct memory, checked once, depends on them)
+        out_signature = (
+            type(out),
+            out.layout,
+            out.dtype,
+            out.device,
+            out.shape,
+            out.stride(),
+            out.requires_grad,
+        )
     else:
         return None
     return (
@@ -474,12 +487,14 @@ def sampled_addmm(
         if beta != 0:
             in_values = input.values()
             values.add_(in_values.expand(*batch, *in_values.shape[-3:]), alpha=beta)
-    crow = input.crow_indices().expand(*batch, -1)
-    col = input.col_indices().expand(*batch, -1)
+    # The pattern the values were computed on (on the CPU the validated copy, not input's live memory,
+    # which a racing write may have changed since), in memory of the result's own, as torch's copies.
+    crow, col = a.kernel_indices()
+    crow, col = crow.expand(*batch, -1), col.expand(*batch, -1)
     if out is None:
-        return torch.sparse_bsr_tensor(
-            crow.contiguous(), col.contiguous(), values, size=(*batch, M, N), check_invariants=False
-        )
+        contiguous = torch.contiguous_format
+        crow, col = crow.clone(memory_format=contiguous), col.clone(memory_format=contiguous)
+        return torch.sparse_bsr_tensor(crow, col, values, size=(*batch, M, N), check_invariants=False)
     for mine, theirs in ((out.crow_indices(), crow), (out.col_indices(), col)):
         if mine.data_ptr() != theirs.data_ptr() or mine.stride() != theirs.stride():
             mine.copy_(theirs)  # torch copies input into out: out takes input's pattern
