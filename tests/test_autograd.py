@@ -1,5 +1,7 @@
 """sampled_addmm, the transposed product, and gradients of the products."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -284,15 +286,32 @@ def test_sampled_addmm_second_order_matches_the_reference(backend):
         ).requires_grad_()
         if fast:
             loss = (bsrkit.sampled_addmm(bsr, m1, m2, beta=0.5, alpha=1.5).values() * w).sum()
+            with pytest.warns(UserWarning, match="exact only if the loss is linear"):  # (it is here)
+                g1, g2 = torch.autograd.grad(loss, (m1, m2), create_graph=True)
         else:
             ref = reference.sampled_addmm(bsr, m1, m2, beta=0.5, alpha=1.5)
             loss = (ref * reference.bsr_to_dense(_bsr_from(bsr, w))).sum()
-        g1, g2 = torch.autograd.grad(loss, (m1, m2), create_graph=True)
+            g1, g2 = torch.autograd.grad(loss, (m1, m2), create_graph=True)
         assert g1.requires_grad and g2.requires_grad
         results.append(torch.autograd.grad((g1 * c1).sum() + (g2 * c2).sum(), (m1, m2)))
     for got, want in zip(*results, strict=True):
         assert want.norm() > 0.1
         assert_close(got, want, k=8)
+
+
+def test_sampled_addmm_warns_where_a_second_order_term_would_be_missing():
+    """A loss nonlinear in sampled_addmm's values: torch's BSR values() passes its gradient without a graph,
+    so the second derivative lacks the terms through it. Said, not silent; first order stays exact and
+    a backward without create_graph says nothing."""
+    bsr = random_bsr((4, 9), (2, 3), 0.5, torch.float64, generator=torch.Generator().manual_seed(0))
+    m1 = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    m2 = torch.randn(6, 9, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bsrkit.sampled_addmm(bsr, m1, m2, beta=0.0).values().pow(2).sum().backward()
+    loss = bsrkit.sampled_addmm(bsr, m1, m2, beta=0.0).values().pow(2).sum()
+    with pytest.warns(UserWarning, match="second-order gradients are exact only if the loss is linear"):
+        torch.autograd.grad(loss, (m1,), create_graph=True)
 
 
 def test_transposed_product_of_expanded_values_copies_no_block(backend):

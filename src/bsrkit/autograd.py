@@ -23,6 +23,7 @@ on torch 2.13), so make the values the leaf: ``bsr = torch.sparse_bsr_tensor(cro
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,17 @@ from bsrkit.operand import Operand
 if TYPE_CHECKING:
     from bsrkit.backends.base import Backend
 
-__all__ = ["BsrDenseAddmm", "SampledAddmm", "first_order_only", "product", "sampled"]
+__all__ = ["SECOND_ORDER_WARNING", "BsrDenseAddmm", "SampledAddmm", "first_order_only", "product", "sampled"]
+
+# A backward under create_graph whose incoming gradient carries no graph: sampled_addmm's result is a BSR
+# tensor, and torch's backward of a BSR's values() and of its constructor returns gradients without one
+# (torch 2.13), so the terms of a second derivative that run through that gradient are missing. Exact
+# only where the loss is linear in the result's values (the incoming gradient is then a constant).
+SECOND_ORDER_WARNING = (
+    "sampled_addmm(): differentiated with create_graph, but the gradient of its BSR result reached it "
+    "without a graph (torch's BSR values() and constructor pass none): second-order gradients are exact "
+    "only if the loss is linear in the result's values"
+)
 
 
 def first_order_only(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -220,6 +231,8 @@ class SampledAddmm(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         input, mat1, mat2 = ctx.saved_tensors
         beta, alpha = ctx.scalars
+        if torch.is_grad_enabled() and not grad.requires_grad and (mat1.requires_grad or mat2.requires_grad):
+            warnings.warn(SECOND_ORDER_WARNING, UserWarning, stacklevel=2)
         grad_input = grad_mat1 = grad_mat2 = None
         g = _like_pattern(input, grad)  # the values' gradient as a BSR on input's pattern
         if ctx.needs_input_grad[2] and beta != 0:
