@@ -529,3 +529,66 @@ def test_after_finalize_a_resumed_run_continues_as_the_original():
     train(m2, o2, p2, batches[3:])
     assert torch.equal(p1.masks()["0"], p2.masks()["0"])
     assert torch.equal(m1[0].to_dense(), m2[0].to_dense())
+
+
+def test_rolling_back_past_finalize_regrows_as_the_uninterrupted_run():
+    """A state from before finalize(), loaded after it: regrowth goes on (the layers were block-sparse
+    already, so the dense-gradient capture that finalize() removed was never started again, and every
+    later regrowth step silently left the pattern as it was)."""
+
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        pruner = GradualPruner(model, opt, blocksize=4, target_density=0.25, start_step=1, end_step=2,
+                               every=1, filter_fn=lambda m, fqn: fqn == "0", sparse_below=1.0,
+                               regrow=RigL(0.5, 2, decay="constant"))  # fmt: skip
+        return model, opt, pruner
+
+    def train(model, opt, pruner, steps):
+        for t in steps:
+            g = torch.Generator().manual_seed(t)
+            x, y = (
+                torch.randn(8, 16, generator=g, dtype=torch.float64),
+                torch.randn(8, 4, generator=g, dtype=torch.float64),
+            )
+            opt.zero_grad()
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            pruner.step()
+
+    model, opt, pruner = setup()
+    train(model, opt, pruner, range(1, 11))
+    expected = pruner.masks()["0"]
+    model, opt, pruner = setup()
+    train(model, opt, pruner, range(1, 4))
+    saved = copy.deepcopy((pruner.state_dict(), model.state_dict(), opt.state_dict()))
+    train(model, opt, pruner, range(4, 6))
+    pruner.finalize()
+    pruner.load_state_dict(saved[0])
+    model.load_state_dict(saved[1])
+    opt.load_state_dict(saved[2])
+    train(model, opt, pruner, range(4, 11))
+    assert torch.equal(pruner.masks()["0"], expected)
+
+
+def test_an_optimizer_state_that_cannot_follow_the_blocks_restarts_with_a_warning():
+    """Adafactor's factored state (row and column statistics) has no blocks to remap: when the layer turns
+    block-sparse its state restarts, said once (optimizer.step() failed with a shape error)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    pruner = GradualPruner(model, opt, blocksize=4, target_density=0.5, start_step=1, end_step=2, every=1,
+                           filter_fn=lambda m, fqn: fqn == "0", sparse_below=1.0)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    with pytest.warns(RuntimeWarning, match="Adafactor state .* cannot follow a new block pattern"):
+        for _ in range(5):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            pruner.step()
+    assert isinstance(model[0], BSRLinear) and torch.isfinite(loss)
+    state = opt.state[model[0].values]
+    assert all(v.ndim == 0 or v.shape[0] == model[0].values.shape[0] for v in state.values())

@@ -291,8 +291,13 @@ class GradualPruner:
         put(self.model, layer.places, module)
         layer.module = module
         self._stop_capture(layer)
-        if self.regrow is not None and isinstance(module, BSRLinear) and not self.finalized:
-            layer.capture = DenseGradient(module)
+        self._start_capture(layer)
+
+    def _start_capture(self, layer: _Layer) -> None:
+        """Record a block-sparse layer's dense gradient while regrowth may still move its pattern."""
+        sparse = isinstance(layer.module, BSRLinear)
+        if self.regrow is not None and sparse and not self.finalized and layer.capture is None:
+            layer.capture = DenseGradient(layer.module)
 
     def _arm(self) -> None:
         """Record the dense gradient of the sparse layers in the coming step if it ends in an update."""
@@ -357,4 +362,6 @@ class GradualPruner:
             layer.score = state["scores"][layer.fqn].float().to(layer.score.device).clone()
             if self.finalized:
                 self._stop_capture(layer)
+            else:  # (a state from before finalize(): regrowth goes on, so does the capture)
+                self._start_capture(layer)
         self._arm()

@@ -23,6 +23,7 @@ pattern die with it).
 
 from __future__ import annotations
 
+import warnings
 from typing import TypeAlias
 
 import torch
@@ -147,6 +148,21 @@ def move(
         return module
     if sparse_before and sparse and torch.equal(old, new):
         return module
+    # State of another shape (Adafactor's row and column factors) has no blocks to follow the pattern:
+    # the parameter's state restarts (the optimizer initialises an empty state at its next step).
+    # (LBFGS keeps one flat history over all parameters: _replace restarts it)
+    flat = isinstance(optimizer, torch.optim.LBFGS)
+    other = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.ndim and k not in shaped]
+    if other and not flat:
+        warnings.warn(
+            f"{type(optimizer).__name__} state {other} of shapes {[tuple(state[k].shape) for k in other]} "
+            f"cannot follow a new block pattern (only state of the weight's shape {tuple(param.shape)} can): "
+            "this layer's optimizer state restarts",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        state.clear()
+        shaped = []
     for key in shaped:
         state[key] = _remap(state[key], old, new, sparse_before, sparse, blocksize)
     grad = param.grad
