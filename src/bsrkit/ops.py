@@ -247,13 +247,11 @@ def checked_addmm(
             out = dense.new_empty(out_shape)
         else:
             out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
-    elif may_share_memory(out, dense):
-        # The kernels read dense while writing out: shared memory would give a silently wrong result.
-        raise ValueError(f"{op}(): expected out not to share memory with dense, got overlapping tensors")
-    elif may_share_memory(out, bsr.values()):  # (so do the blocks)
-        raise ValueError(
-            f"{op}(): expected out not to share memory with bsr's values, got overlapping tensors"
-        )
+    elif may_share_memory(out, dense, None if a is None else a.values):
+        # The kernels read dense and the blocks (where any are read: a's) while writing out: shared memory
+        # would give a silently wrong result.
+        which = "dense" if may_share_memory(out, dense) else "bsr's values"
+        raise ValueError(f"{op}(): expected out not to share memory with {which}, got overlapping tensors")
     if not unproven:
         return dispatch.addmm(
             op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked

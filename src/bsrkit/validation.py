@@ -215,15 +215,22 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     return int(t.storage_offset()) * size, int(extent) * size
 
 
-def may_share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte ranges ``a`` and ``b`` span on one storage intersect (bounds only, like
-    ``numpy.may_share_memory``: interleaved views that touch no common element count as sharing)."""
-    if not a.numel() or not b.numel():
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    (a_start, a_bytes), (b_start, b_bytes) = byte_span(a), byte_span(b)
-    return a_start < b_start + b_bytes and b_start < a_start + a_bytes
+def may_share_memory(a: torch.Tensor, *others: torch.Tensor | None) -> int:
+    """How many of ``others`` (None: none) the tensor ``a`` may share memory with, by the byte ranges they
+    span on one storage (bounds only, like ``numpy.may_share_memory``: interleaved views that touch no
+    common element count as sharing); ``a``'s range is found once for all (a product's out, on every
+    call)."""
+    if not a.numel():
+        return 0
+    storage, span = a.untyped_storage().data_ptr(), None
+    shared = 0
+    for b in others:
+        if b is None or not b.numel() or b.untyped_storage().data_ptr() != storage:
+            continue
+        a_start, a_bytes = span = span or byte_span(a)
+        b_start, b_bytes = byte_span(b)
+        shared += a_start < b_start + b_bytes and b_start < a_start + a_bytes
+    return shared
 
 
 def check_meta(op: str, meta: Any) -> None:
