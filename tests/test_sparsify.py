@@ -278,3 +278,35 @@ def test_the_default_filter_leaves_layers_a_bsr_linear_cannot_stand_for():
                      ("2", "parametrized"), ("3.linear1", "TransformerEncoderLayer reads")):  # fmt: skip
         with pytest.raises(ValueError, match=f"selected '{fqn}', which cannot be block-sparse: .*{why}"):
             sparsify_(model, blocksize=16, density=0.5, filter_fn=lambda m, name, fqn=fqn: name == fqn)
+
+
+def test_frozen_layers_stay_frozen():
+    """A frozen base model (adapters or a head trained alone): each swapped layer keeps its weight's and
+    bias's requires_grad (they became trainable again), nn.Linear and Conv1D alike."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.requires_grad_(False)
+    model.up.bias.requires_grad_(True)  # (flags taken one by one: a trainable bias stays trainable)
+    sparsify_(model, blocksize=8, density=0.5, force=True)
+    assert isinstance(model.up, BSRLinear) and isinstance(model.gpt2_proj, BSRLinear)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["up.bias"]
+
+
+def test_a_model_on_meta_runs_without_grad_too():
+    """Shapes only, as the dense model on meta gives (it called the CPU product on meta tensors)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    sparsify_(model, blocksize=8, density=0.5, force=True)
+    model = model.to("meta")
+    x = torch.randn(3, 32, device="meta")
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            y = model(x)
+        assert y.shape == (3, 16) and y.is_meta
+
+
+def test_a_bare_linear_layer_or_a_filter_that_is_not_callable_is_named():
+    with pytest.raises(ValueError, match="got a Linear itself"):
+        sparsify_(nn.Linear(64, 64), blocksize=16, density=0.25, force=True)
+    with pytest.raises(TypeError, match="expected filter_fn to be callable"):
+        sparsify_(nn.Sequential(nn.Linear(64, 64)), blocksize=16, density=0.25, filter_fn=3)

@@ -131,6 +131,8 @@ class BSRLinear(nn.Module):
         if linear.bias is not None:
             assert layer.bias is not None
             layer.bias.data.copy_(linear.bias.detach())
+            layer.bias.requires_grad_(linear.bias.requires_grad)
+        layer.values.requires_grad_(linear.weight.requires_grad)  # (a frozen layer stays frozen)
         return layer
 
     def to_bsr(self) -> torch.Tensor:
@@ -170,7 +172,7 @@ class BSRLinear(nn.Module):
         if _needs_grad(x, values, bias):
             y = custom_ops.linear(crow, col, values, dispatch.rows(x), bias, M, K, False)
             return y if x.ndim == 2 else y.reshape(*x.shape[:-1], M)
-        if torch.compiler.is_compiling():  # (traceable: the plain op, no autograd layers)
+        if torch.compiler.is_compiling() or x.is_meta:  # (the plain op: traceable, and shapes on meta)
             return custom_ops.linear_product_op(crow, col, values, x, bias, M, K, False)
         # (no gradient to record: the product itself, on x as it is, without the dispatcher's ~30 µs)
         return custom_ops.linear_product(crow, col, values, x, bias, M, K, False)

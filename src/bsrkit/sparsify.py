@@ -179,6 +179,9 @@ def _as_linear(module: nn.Module) -> nn.Linear:
         linear.weight.copy_(weight.t())
         if bias is not None:
             linear.bias.copy_(bias)
+    linear.weight.requires_grad_(weight.requires_grad)
+    if bias is not None:
+        linear.bias.requires_grad_(bias.requires_grad)
     return linear
 
 
@@ -209,6 +212,15 @@ def sparsify_(
     check_density("sparsify_", density)
     if criterion != "block_norm":
         raise ValueError(f"sparsify_(): expected criterion 'block_norm', got {criterion!r}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(
+            f"sparsify_(): expected filter_fn to be callable or None, got {type(filter_fn).__name__}"
+        )
+    if isinstance(model, nn.Linear) or _is_conv1d(model):
+        raise ValueError(
+            f"sparsify_(): expected a model holding linear layers, got a {type(model).__name__} itself (it "
+            "cannot be replaced in place): use BSRLinear.from_dense, or wrap it in a module"
+        )
     selected = filter_fn or default_filter((bo, bi), model)
     # Every place of each module (one used at several places gets the one sparse layer at all of them),
     # judged by the filter under its first name, as named_modules() lists it.
