@@ -259,3 +259,32 @@ def test_python_dash_m_bsrkit_is_the_command():
         [sys.executable, "-m", "bsrkit", "--version"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stdout.startswith("bsrkit ")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--json", "{dir}"],  # a directory
+        ["--plot", "{dir}/p.xyz"],  # a format matplotlib does not write
+        ["--plot", "{dir}/plot"],  # no extension: matplotlib would write plot.png and we said plot
+        ["--json", "{dir}/a.json", "--plot", "{dir}/a.json"],  # one file for both
+    ],
+)
+def test_bench_refuses_an_output_it_cannot_write_before_timing(tmp_path, capsys, monkeypatch, extra):
+    """Checked up front (they failed after the whole grid had run, or wrote another file than reported)."""
+    import bsrkit.benchmarking
+
+    monkeypatch.setattr(bsrkit.benchmarking, "run_point", lambda *a, **k: pytest.fail("timed a point"))
+    argv = ["bench", "--sizes", "64", "--blocksizes", "16", "--densities", "0.25"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv + [e.format(dir=tmp_path) for e in extra])
+    assert exc.value.code == 2
+    assert "error: --" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_demo_takes_one_value_per_option(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--size", "128,256", "--blocksize", "16"])
+    assert exc.value.code == 2
+    assert "--size takes one value in demo, got [128, 256]" in capsys.readouterr().err

@@ -186,8 +186,44 @@ def _check_grid(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"densities must be in (0, 1], got {args.densities}")
     for option in ("json", "plot"):  # (checked now, not after the whole grid has run)
         path = getattr(args, option, None)
-        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        if not path:
+            continue
+        if os.path.isdir(path):
+            parser.error(f"--{option}: expected a file, got the directory {path!r}")
+        if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
             parser.error(f"--{option}: cannot write {path!r} (its directory is missing or not writable)")
+    if args.plot:
+        # (matplotlib picks the format by the extension and adds .png to a name without one)
+        suffix = os.path.splitext(args.plot)[1].lower().lstrip(".")
+        if suffix not in _PLOT_FORMATS:
+            parser.error(
+                f"--plot: expected a file name ending in one of {sorted(_PLOT_FORMATS)}, got {args.plot!r}"
+            )
+        if args.json and os.path.abspath(args.json) == os.path.abspath(args.plot):
+            parser.error(f"--json and --plot: expected two files, got {args.plot!r} for both")
+
+
+# Image formats matplotlib's Agg canvas writes (without importing matplotlib to ask).
+_PLOT_FORMATS = frozenset(
+    {
+        "avif",
+        "eps",
+        "gif",
+        "jpeg",
+        "jpg",
+        "pdf",
+        "pgf",
+        "png",
+        "ps",
+        "raw",
+        "rgba",
+        "svg",
+        "svgz",
+        "tif",
+        "tiff",
+        "webp",
+    }
+)
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -495,7 +531,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in (
             ("size", "blocksize", "repeats") if args.model else ("size", "blocksize", "density", "repeats")
         ):
-            setattr(args, name, getattr(args, name)[0])
+            values = getattr(args, name)
+            if len(values) > 1:  # (parsed as lists, as bench's; demo runs one point)
+                parser.error(f"--{name} takes one value in demo, got {values}")
+            setattr(args, name, values[0])
         if args.model:
             if args.hidden < 64 or args.hidden % 64 or args.hidden % args.blocksize or args.layers < 1:
                 parser.error(
