@@ -161,3 +161,14 @@ def test_grouped_heads_fall_back_to_sdpa_unrepeated(L, S, causal):
     )
     want = sdpa_attention_forward(Attention(), q, k, v, None)[0]
     torch.testing.assert_close(hf.attention_forward(Attention(), q, k, v, None)[0], want)
+
+
+@pytest.mark.parametrize("bad", [{"repeats": 0}, {"decode": -1}, {"prefill": 2.5}, {"prompt": True}])
+def test_the_model_comparison_names_a_count_it_cannot_take(bad):
+    """(repeats=0 failed in statistics.median, after building every model.)"""
+    from bsrkit import model_demo
+
+    dense = model_demo.build(model_demo.ModelConfig(64, 176, 1, 2, 2, 100))
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=f"expected {name} to be a positive int"):
+        model_demo.compare(dense, [0.25], blocksize=16, **bad)

@@ -153,6 +153,9 @@ def compare(
     model's ``forward`` (``dense``'s included) is replaced by its ``torch.compile`` on that backend."""
     from bsrkit.benchmarking import peak_rss_mib
 
+    for name, value in (("repeats", repeats), ("prefill", prefill), ("prompt", prompt), ("decode", decode)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"compare(): expected {name} to be a positive int, got {value!r}")
     vocab = dense.config.vocab_size
     g = torch.Generator().manual_seed(1)
     long = torch.randint(0, vocab, (1, prefill), generator=g)
