@@ -9,7 +9,7 @@ import torch
 import bsrkit
 from bsrkit import tuning
 from bsrkit.cli import main
-from helpers import random_bsr
+from helpers import random_bsr, run_python
 
 
 def test_demo_runs_and_checks_its_result(capsys):
@@ -288,3 +288,13 @@ def test_demo_takes_one_value_per_option(capsys):
         main(["demo", "--size", "128,256", "--blocksize", "16"])
     assert exc.value.code == 2
     assert "--size takes one value in demo, got [128, 256]" in capsys.readouterr().err
+
+
+def test_demo_on_one_thread_says_its_kernel_came_from_the_disk_cache():
+    """On one thread the product runs the loop's serial twin: the demo read the parallel loop's counts and
+    said "compiled" for a kernel loaded from the cache."""
+    argv = ["-m", "bsrkit", "demo", "--size", "128", "--blocksize", "32", "--repeats", "1"]
+    env = {"OMP_NUM_THREADS": "1"}
+    run_python(argv, env=env, timeout=300)  # (compiles, or loads, the serial loop)
+    out = run_python(argv, env=env, timeout=300).stdout
+    assert "kernel loaded from the on-disk kernel cache" in out, out

@@ -114,10 +114,13 @@ def _demo(args: argparse.Namespace) -> int:
     first = time.perf_counter() - t0
     from bsrkit.backends.cpu import kernels
 
-    compiled = kernels.compile_cache_info().get("bsr_mm", {})
+    loops = kernels.compile_cache_info()
+    # (the loop that ran: the parallel one, or its serial twin on one thread)
+    ran = [v for k, v in loops.items() if k.startswith("bsr_mm") and (v["hits"] or v["misses"])]
+    compiled = ran[0] if ran else loops.get("bsr_mm", {})
     how = (
         "loaded from the on-disk kernel cache"
-        if compiled.get("hits")
+        if ran and not any(v["misses"] for v in ran)
         else "compiled (later processes load it from the on-disk cache)"
         if compiled.get("path")
         else "compiled in memory (no writable cache directory)"
