@@ -161,8 +161,6 @@ class BSRLinear(nn.Module):
         values, bias = params["values"], params["bias"]
         assert values is not None
         if x.dtype is not values.dtype or (bias is not None and bias.dtype is not values.dtype):
-            if not isinstance(x, torch.Tensor):
-                self._refuse(x)
             check_operand_dtypes("BSRLinear.forward", "x", x, "values", values)
             if bias is not None:  # (as F.linear: one dtype for the three)
                 check_operand_dtypes("BSRLinear.forward", "bias", bias, "values", values)
@@ -203,10 +201,10 @@ class BSRLinear(nn.Module):
         crow, col, values = (state_dict.get(prefix + n) for n in names)
         plain = all(type(t) is torch.Tensor and t.device.type != "meta" for t in (crow, col, values))
         nnz = self._check_checkpoint(state_dict, prefix, crow, col, values, plain)
+        before = None
         # (col_indices too: a tied layer, see sparsify_, finds the values its twin resized already)
-        resize = nnz is not None and (nnz != self.values.shape[0] or nnz != self.col_indices.shape[0])
-        before = self._parts() if resize else None
-        if nnz is not None and resize:
+        if nnz is not None and (nnz != self.values.shape[0] or nnz != self.col_indices.shape[0]):
+            before = self._parts()
             self._resize(nnz)
         errors = len(error_msgs)
         super()._load_from_state_dict(

@@ -24,7 +24,7 @@ pattern die with it).
 from __future__ import annotations
 
 import warnings
-from typing import TypeAlias
+from typing import TypeAlias, TypeGuard
 
 import torch
 from torch import nn
@@ -105,6 +105,12 @@ def _new_module(old: Linear, sparse: bool, blocksize: tuple[int, int]) -> Linear
     return module
 
 
+def _flat_history(optimizer: torch.optim.Optimizer | None) -> TypeGuard[torch.optim.LBFGS]:
+    """Whether ``optimizer`` keeps one history over all its parameters flattened (LBFGS, on its first
+    parameter) rather than state per parameter."""
+    return isinstance(optimizer, torch.optim.LBFGS)
+
+
 def _replace(optimizer: torch.optim.Optimizer | None, old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
     """``new`` in ``old``'s place in the optimizer's parameter groups, with its state."""
     if optimizer is not None:
@@ -112,7 +118,7 @@ def _replace(optimizer: torch.optim.Optimizer | None, old: nn.Parameter, new: nn
             params = group["params"]
             # (in place: LBFGS, for one, holds the group's list itself)
             params[:] = [new if p is old else p for p in params]
-        if isinstance(optimizer, torch.optim.LBFGS) and new.shape != old.shape:
+        if _flat_history(optimizer) and new.shape != old.shape:
             # Its state is one history over all parameters flattened, kept on the first: a parameter of
             # another size makes that history meaningless (and its vectors the wrong length). Start again,
             # its cached parameter count too (torch 2.11-2.13 name it _numel_cache).
@@ -150,10 +156,9 @@ def move(
         return module
     # State of another shape (Adafactor's row and column factors) has no blocks to follow the pattern:
     # the parameter's state restarts (the optimizer initialises an empty state at its next step).
-    # (LBFGS keeps one flat history over all parameters: _replace restarts it)
-    flat = isinstance(optimizer, torch.optim.LBFGS)
+    # (a flat history is restarted by _replace)
     other = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.ndim and k not in shaped]
-    if other and not flat:
+    if other and not _flat_history(optimizer):
         warnings.warn(
             f"{type(optimizer).__name__} state {other} of shapes {[tuple(state[k].shape) for k in other]} "
             f"cannot follow a new block pattern (only state of the weight's shape {tuple(param.shape)} can): "
