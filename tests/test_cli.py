@@ -113,6 +113,42 @@ def test_tune_writes_a_table_that_products_use(tmp_path, monkeypatch):
     assert seen == [{"panel": 48, "nthreads": 1}]
 
 
+def test_tune_streamed_times_copies_that_span_the_cache_and_records_it(tmp_path, monkeypatch, capsys):
+    from bsrkit import benchmarking, cli
+
+    monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "t.json"))
+    monkeypatch.setattr(benchmarking, "last_level_cache_bytes", lambda: 64 << 10)  # 4x: 256 KiB
+    seen = []
+    real = cli._tune_shape
+    monkeypatch.setattr(cli, "_tune_shape", lambda bsrs, *a: seen.append(list(bsrs)) or real(bsrs, *a))
+    argv = ["tune", "--shapes", "128x128x1", "--blocksizes", "16", "--density", "0.5", "--streamed"]
+    assert main([*argv, "--panels", "64,128,256", "--threads", "1,2"]) == 0
+    (bsrs,) = seen
+    one = sum(t.numel() * t.element_size() for t in (bsrs[0].values(), bsrs[0].col_indices()))
+    assert len(bsrs) > 1 and len(bsrs) * one >= 256 << 10 > (len(bsrs) - 1) * (one + 8 * 9)
+    addresses = {t.data_ptr() for b in bsrs for t in (b.values(), b.crow_indices(), b.col_indices())}
+    assert len(addresses) == 3 * len(bsrs)  # (each copy is its own memory)
+    for b in bsrs[1:]:
+        torch.testing.assert_close(b.to_dense(), bsrs[0].to_dense(), rtol=0, atol=0)
+    entry = tuning.load_table()[tuning.table_key(tuning.cpu_device_name(), "bsr_dense_mm", torch.float32,
+                                                 (128, 128, 1), (16, 16))]  # fmt: skip
+    assert entry["streamed"] is True and entry["panel"] == 1  # (panels clamp to N = 1: one candidate each)
+    assert "best panel=1 nthreads=" in capsys.readouterr().out
+    # Without --streamed: one weight, recorded as such.
+    seen.clear()
+    assert main([*argv[:-1], "--panels", "64", "--threads", "1"]) == 0
+    assert len(seen[0]) == 1
+    assert tuning.load_table()[next(iter(tuning.load_table()))]["streamed"] is False
+
+
+def test_tune_candidates_clamp_panels_to_the_columns():
+    from bsrkit import cli
+
+    args = cli.argparse.Namespace(backend="cpu", threads=[1, 2], panels=[64, 128, 256])
+    assert cli._candidates(args, 1, 32) == [{"panel": 1, "nthreads": 1}, {"panel": 1, "nthreads": 2}]
+    assert len(cli._candidates(args, 512, 32)) == 6
+
+
 def test_tune_rectangular_shape_is_found_by_the_product(tmp_path, monkeypatch):
     monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "t.json"))
     argv = ["tune", "--shapes", "48x32x24", "--blocksizes", "8x16", "--panels", "16", "--threads", "1"]
