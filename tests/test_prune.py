@@ -168,6 +168,16 @@ def test_state_dict_round_trip_and_bad_arguments():
     other = GradualPruner(_model(5), opt, **kwargs)
     other.load_state_dict(pruner.state_dict())
     assert other.steps == 3 and all(torch.equal(other.masks()[k], v) for k, v in pruner.masks().items())
+    state = pruner.state_dict()
+    small = {**state["scores"], "0": torch.zeros(2, 2)}
+    for broken, match in [
+        ({**state, "scores": small}, r"expected a \(8, 4\) scores for '0', got \(2, 2\)"),
+        ({k: v for k, v in state.items() if k != "scores"}, r"expected a state with \['scores'\]"),
+        ({k: v for k, v in state.items() if k != "steps"}, r"expected a state with \['steps'\]"),
+        ({**state, "scores": {}}, "expected scores for"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            other.load_state_dict(broken)
     for bad, error in [
         ({"target_density": 1.5}, ValueError), ({"target_density": "x"}, TypeError),
         ({"start_step": 5, "end_step": 5}, ValueError), ({"every": 0}, ValueError),

@@ -592,3 +592,78 @@ def test_an_optimizer_state_that_cannot_follow_the_blocks_restarts_with_a_warnin
     assert isinstance(model[0], BSRLinear) and torch.isfinite(loss)
     state = opt.state[model[0].values]
     assert all(v.ndim == 0 or v.shape[0] == model[0].values.shape[0] for v in state.values())
+
+
+def test_a_clipped_gradient_norm_is_the_same_masked_dense_or_block_sparse():
+    """A masked-dense layer's removed blocks get no gradient (the masked dense model's G * M), so the
+    global norm clip_grad_norm_ takes, and so the run, is the same whichever way a layer is stored."""
+
+    def run(sparse_below):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        pruner = _pruner(model, opt, sparse_below=sparse_below, end_step=4, regrow=None)
+        removed = []
+        for step in range(10):
+            x, y = _batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if not pruner.sparse_layers() and step > 1:
+                mask = pruner.masks()["2"]
+                removed.append(block_view(model[2].weight.grad, BS)[~mask].abs().max().item())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            pruner.step()
+        masks = pruner.masks()
+        return [_dense(model[i], masks[str(i)], _weight(model[i])).detach() for i in (0, 2, 4)], removed
+
+    dense, removed = run(None)  # masked dense to the end
+    sparse, _ = run(1.0)  # block-sparse from the first pruning step
+    assert removed and max(removed) == 0.0
+    for a, b in zip(dense, sparse, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_regrowth_of_a_masked_dense_layer_grows_by_its_dense_gradient():
+    """The removed blocks' gradient is zero once masked, but regrowth reads the dense gradient: recorded
+    before the mask, the layer grows where it is largest (as a block-sparse layer does)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pruner = _pruner(model, opt, sparse_below=None, regrow=RigL(fraction=0.5, every=2, decay="constant"))
+    grown = 0
+    for step in range(8):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        before = pruner.masks()
+        pruner.step()
+        grown += sum(int((pruner.masks()[k] & ~before[k]).sum()) for k in before)
+    assert not pruner.sparse_layers() and grown > 0
+
+
+@pytest.mark.parametrize("sparse_below", [None, 1.0])
+def test_a_regrown_block_starts_from_the_optimizers_own_fresh_state(sparse_below):
+    """Rprop starts a step size at lr and Adagrad a sum at initial_accumulator_value: a regrown block
+    starts there too (zero froze an Rprop block at the minimum step size)."""
+    for make, key, fresh in (
+        (lambda p: torch.optim.Rprop(p, lr=0.01), "step_size", 0.01),
+        (lambda p: torch.optim.Adagrad(p, lr=0.01, initial_accumulator_value=0.5), "sum", 0.5),
+    ):
+        model = _model()
+        opt = make(model.parameters())
+        pruner = _pruner(model, opt, sparse_below=sparse_below, target_density=0.5, end_step=2,
+                         regrow=RigL(fraction=0.5, every=3, until=3, decay="constant"))  # fmt: skip
+        for step in range(3):
+            x, y = _batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            before = pruner.masks()
+            pruner.step()
+        after = pruner.masks()
+        grown = {k: after[k] & ~before[k] for k in after}
+        assert any(g.any() for g in grown.values())
+        for name, g in grown.items():
+            module = model[int(name)]
+            state = _dense(module, after[name], opt.state[_weight(module)][key])
+            assert bool((block_view(state, BS)[g] == fresh).all()), (key, name)

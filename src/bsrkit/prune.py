@@ -20,12 +20,14 @@ the target density after the first step, then only regrowth.
 
 While a layer is denser than ``sparse_below`` (default: the break-even density of its device and
 blocksize, :func:`bsrkit.sparsify.break_even_density`) it trains as a masked dense ``nn.Linear``: after
-each optimizer step the removed blocks' weights are zero again, and so is their optimizer state (every
-per-parameter state tensor of the weight's shape). From the first pattern change that takes it below, it
+each optimizer step the removed blocks' weights are zero again, and their optimizer state fresh (every
+per-parameter state tensor of the weight's shape: see :mod:`bsrkit.repattern`). From the first pattern change that takes it below, it
 trains on block-sparse products: it becomes a :class:`~bsrkit.nn.BSRLinear` storing the kept blocks, and
 each later pattern change rewrites that layer's pattern in place (:func:`bsrkit.repattern.move`). Either
 way a kept block keeps its weights and optimizer state, a removed block's are dropped and a regrown block
-starts at zero, and each step computes the gradients the masked dense model computes. When the stored
+starts at zero, and each step computes the gradients the masked dense model computes (a masked-dense
+layer's removed blocks get a zero gradient, as block-sparse storage has none: a clipped gradient norm is
+the same either way). When the stored
 shape changes (``nn.Linear.weight`` becoming ``BSRLinear.values``, the number of kept blocks changing) the
 weight is a new ``Parameter``, which takes the old one's place in the optimizer's ``param_groups`` and
 state; anything else holding the old one (a second optimizer, a list of parameters kept aside, a wrapper
@@ -81,11 +83,47 @@ class _Layer:
     score: torch.Tensor  # (out / bo, in / bi) float32: accumulated movement (movement criterion)
     sparse_below: float  # the density below which it trains block-sparse
     kept: int  # mask.sum(), kept on the host (a step that changes no pattern synchronises no device)
-    capture: DenseGradient | None = None  # a sparse layer's dense gradient, for regrowth
+    # The gradient hook: a sparse layer's dense gradient for regrowth, or a masked-dense layer's masking
+    capture: DenseGradient | MaskedGradient | None = None
 
     @property
     def sparse(self) -> bool:
         return isinstance(self.module, BSRLinear)
+
+
+class MaskedGradient:
+    r"""A masked-dense layer's gradient: the masked dense model's :math:`\partial L / \partial W = G
+    \odot M` (its removed blocks' gradient zero, so that a clipped norm or any other reader of the
+    gradient sees what it sees once the layer is stored block-sparse), recording :math:`G` itself over the
+    backward passes run while :attr:`armed` (regrowth grows where it is largest). The same interface as
+    :class:`~bsrkit.regrow.DenseGradient`."""
+
+    def __init__(self, layer: _Layer, blocksize: tuple[int, int]) -> None:
+        self.armed = False
+        self.total: torch.Tensor | None = None
+        self._layer, self._blocksize = layer, blocksize
+        self._expanded: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask, its element mask)
+        self._handle = repattern.weight_of(layer.module).register_hook(self._backward)
+
+    def _backward(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if self.armed:
+            g = grad.detach()
+            self.total = g.clone() if self.total is None else self.total.add_(g)
+        layer = self._layer
+        if layer.kept == layer.mask.numel():
+            return None  # (nothing removed yet: the gradient as it is)
+        if self._expanded is None or self._expanded[0] is not layer.mask:
+            self._expanded = (layer.mask, ~repattern.expand(layer.mask, self._blocksize))
+        return grad.masked_fill(self._expanded[1], 0)
+
+    def take(self) -> torch.Tensor | None:
+        """The gradient recorded since the last call (None: no backward ran while armed), and forget it."""
+        total, self.total = self.total, None
+        return total
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self.armed, self.total, self._expanded = False, None, None
 
 
 class GradualPruner:
@@ -188,6 +226,9 @@ class GradualPruner:
             )
         if not self._layers:
             raise ValueError(f"{op}: no layer selected (filter_fn, or no nn.Linear the blocksize divides)")
+        for layer in self._layers:
+            self._start_capture(layer)
+        self._arm()
 
     # -- the schedule ------------------------------------------------------------------------------------
 
@@ -262,10 +303,7 @@ class GradualPruner:
     def _regrow(self, layer: _Layer, mask: torch.Tensor) -> torch.Tensor:
         """``mask`` after a drop-and-grow update (unchanged without a gradient to grow by)."""
         assert self.regrow is not None
-        if layer.sparse:
-            grad = layer.capture.take() if layer.capture is not None else None
-        else:
-            grad = repattern.weight_of(layer.module).grad
+        grad = layer.capture.take() if layer.capture is not None else None
         if grad is None:
             return mask
         growth = repattern.block_view(grad.float(), self.blocksize).pow(2).sum((-1, -2))
@@ -294,9 +332,13 @@ class GradualPruner:
         self._start_capture(layer)
 
     def _start_capture(self, layer: _Layer) -> None:
-        """Record a block-sparse layer's dense gradient while regrowth may still move its pattern."""
-        sparse = isinstance(layer.module, BSRLinear)
-        if self.regrow is not None and sparse and not self.finalized and layer.capture is None:
+        """A masked-dense layer's gradient hook (:class:`MaskedGradient`); a block-sparse layer's dense
+        gradient while regrowth may still move its pattern."""
+        if layer.capture is not None:
+            return
+        if not layer.sparse:
+            layer.capture = MaskedGradient(layer, self.blocksize)
+        elif self.regrow is not None and not self.finalized:
             layer.capture = DenseGradient(layer.module)
 
     def _arm(self) -> None:
@@ -346,13 +388,22 @@ class GradualPruner:
                 f"GradualPruner.load_state_dict(): expected masks for {sorted(names)}, got "
                 f"{sorted(state.get('masks', {}))}"
             )
+        op = "GradualPruner.load_state_dict()"
+        lacking = [k for k in ("steps", "scores") if k not in state]
+        if lacking:
+            raise ValueError(f"{op}: expected a state with {lacking} (from GradualPruner.state_dict())")
+        if set(state["scores"]) != names:
+            raise ValueError(f"{op}: expected scores for {sorted(names)}, got {sorted(state['scores'])}")
         for layer in self._layers:
-            mask, score = state["masks"][layer.fqn], state["scores"][layer.fqn]
-            if mask.shape != layer.mask.shape or score.shape != layer.score.shape:
-                raise ValueError(
-                    f"GradualPruner.load_state_dict(): expected a {tuple(layer.mask.shape)} mask for "
-                    f"{layer.fqn!r}, got {tuple(mask.shape)}"
-                )
+            for what, t, like in (
+                ("mask", state["masks"][layer.fqn], layer.mask),
+                ("scores", state["scores"][layer.fqn], layer.score),
+            ):
+                if not isinstance(t, torch.Tensor) or t.shape != like.shape:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(
+                        f"{op}: expected a {tuple(like.shape)} {what} for {layer.fqn!r}, got {got}"
+                    )
         self.steps = int(state["steps"])
         self.finalized = bool(state.get("finalized", False))
         sparse = state.get("sparse", {})  # (absent from checkpoints before block-sparse training)

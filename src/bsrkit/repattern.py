@@ -9,7 +9,9 @@ mask) to another (``new``), either way of storing it, so that
   state tensor of the weight's shape: Adam's moments, momentum buffers; scalars such as Adam's ``step``
   stay as they are);
 * a block only in ``old`` (removed) is gone: zero in a masked-dense layer, not stored in a sparse one;
-* a block only in ``new`` (regrown) starts at zero weight, zero gradient and zero state.
+* a block only in ``new`` (regrown) starts at zero weight, zero gradient and fresh state: zero, or where
+  an optimizer starts a state elsewhere, that start (Rprop's step size at ``lr``, Adagrad's sum at
+  ``initial_accumulator_value``: :data:`_FRESH_STATE`).
 
 The weight keeps its ``Parameter`` while its stored shape stays (a sparse layer at constant density: the
 data is written in place); a new shape gets a new ``Parameter`` (``nn.Linear.weight`` becoming
@@ -57,26 +59,47 @@ def weight_of(module: Linear) -> nn.Parameter:
 
 def _remap(
     t: torch.Tensor, old: torch.Tensor, new: torch.Tensor, sparse_before: bool, sparse_after: bool,
-    blocksize: tuple[int, int],
+    blocksize: tuple[int, int], fresh: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """``t`` (the weight, its gradient or a state tensor, stored as before) stored as after: ``new``'s
-    blocks, those ``old`` lacks zero."""
+    blocks, those ``old`` lacks ``fresh`` (and, stored dense, the blocks ``new`` lacks)."""
     bo, bi = blocksize
     if sparse_before:
         position = torch.full(old.shape, -1, dtype=torch.int64, device=t.device)
         position[old] = torch.arange(t.shape[0], device=t.device)
         index = position[new]
         found = index >= 0
-        blocks = t.new_zeros((index.shape[0], bo, bi))
+        blocks = t.new_full((index.shape[0], bo, bi), fresh)
         blocks[found] = t[index[found]]
     else:
         blocks = block_view(t, blocksize)[new]
-        blocks[~old[new]] = 0
+        blocks[~old[new]] = fresh
     if sparse_after:
         return blocks
-    full = t.new_zeros((old.shape[0] * bo, old.shape[1] * bi))
+    full = t.new_full((old.shape[0] * bo, old.shape[1] * bi), fresh)
     block_view(full, blocksize)[new] = blocks
     return full
+
+
+# Per-element optimizer state whose fresh value is not zero: (optimizer class, state key) -> the
+# parameter group's setting it starts from. A block that joins the pattern starts from it, as a new
+# parameter would (zero would freeze an Rprop block: its step size is clamped to step_sizes[0]).
+_FRESH_STATE = {
+    (torch.optim.Rprop, "step_size"): "lr",
+    (torch.optim.Adagrad, "sum"): "initial_accumulator_value",
+}
+
+
+def _fresh(optimizer: torch.optim.Optimizer | None, param: nn.Parameter, key: str) -> float:
+    """The value a new block's state ``key`` starts at (:data:`_FRESH_STATE`; else zero)."""
+    if optimizer is None:
+        return 0.0
+    for (kind, name), setting in _FRESH_STATE.items():
+        if key == name and isinstance(optimizer, kind):
+            for group in optimizer.param_groups:
+                if any(p is param for p in group["params"]):
+                    return float(group[setting])
+    return 0.0
 
 
 def _write_pattern(layer: BSRLinear, mask: torch.Tensor) -> None:
@@ -147,10 +170,10 @@ def move(
     state = optimizer.state.get(param, {}) if optimizer is not None else {}
     shaped = [key for key, v in state.items() if isinstance(v, torch.Tensor) and v.shape == param.shape]
     if not sparse_before and not sparse:
-        full = expand(old & new, blocksize)  # in place, as the optimizer step left them
-        param.mul_(full)
+        removed = ~expand(old & new, blocksize)  # in place, as the optimizer step left them
+        param.masked_fill_(removed, 0)
         for key in shaped:
-            state[key].mul_(full)
+            state[key].masked_fill_(removed, _fresh(optimizer, param, key))
         return module
     if sparse_before and sparse and torch.equal(old, new):
         return module
@@ -169,7 +192,9 @@ def move(
         state.clear()
         shaped = []
     for key in shaped:
-        state[key] = _remap(state[key], old, new, sparse_before, sparse, blocksize)
+        state[key] = _remap(
+            state[key], old, new, sparse_before, sparse, blocksize, _fresh(optimizer, param, key)
+        )
     grad = param.grad
     if grad is not None:
         grad = _remap(grad, old, new, sparse_before, sparse, blocksize)
