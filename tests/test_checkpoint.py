@@ -182,9 +182,22 @@ def test_sparse_layers_sharing_one_weight_load_sharing_it(tmp_path):
     assert read_sparse_metadata(tmp_path / "two.safetensors")["tied"]["b.values"] == "a.values"
     loaded = load_sparse(TwoUses, tmp_path / "two.safetensors")
     assert loaded.a.values is loaded.b.values and loaded.a.bias is not loaded.b.bias
+    assert loaded.a.crow_indices is loaded.b.crow_indices and loaded.a.col_indices is loaded.b.col_indices
     x = torch.randn(3, 16)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+    # A new pattern loaded through one layer is the other's too (as for the model sparsify_ made).
+    new = BSRLinear(16, 16, 8, density=0.5, generator=torch.Generator().manual_seed(3))
+    assert not torch.equal(new.col_indices, loaded.a.col_indices)
+    loaded.a.load_state_dict(new.state_dict())
+    torch.testing.assert_close(loaded.b.to_dense(), new.to_dense(), rtol=0, atol=0)
+
+
+def test_save_sparse_refuses_a_bare_layer_by_name(tmp_path):
+    layer = BSRLinear(64, 32, 16, density=0.5)
+    with pytest.raises(ValueError, match="got a BSRLinear itself"):
+        save_sparse(layer, tmp_path / "layer.safetensors")
+    assert not (tmp_path / "layer.safetensors").exists()
 
 
 def test_a_module_used_at_two_places_loads_as_one_layer_at_both(tmp_path):

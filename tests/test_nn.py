@@ -698,3 +698,36 @@ def test_a_bias_of_another_dtype_raises_like_f_linear():
         layer(torch.randn(2, 64))
     with pytest.raises(RuntimeError):  # (torch's own)
         torch.nn.functional.linear(torch.randn(2, 64), layer.to_dense(), layer.bias)
+
+
+def test_a_checkpoint_of_other_features_is_refused_like_nn_linear(tmp_path):
+    """No tensor of a checkpoint holds in_features (a layer of fewer has the same shapes): the module
+    metadata carries it, through torch.save and a weights_only load."""
+    small = BSRLinear(48, 32, (8, 16), density=1.0, generator=torch.Generator().manual_seed(0))
+    big = BSRLinear(64, 32, (8, 16), density=0.5, generator=torch.Generator().manual_seed(1))
+    torch.save(small.state_dict(), tmp_path / "small.pt")
+    state = torch.load(tmp_path / "small.pt", weights_only=True)
+    before = big.to_dense()
+    with pytest.raises(
+        ValueError, match=r"\(out_features, in_features\) = \(32, 48\), this layer has \(32, 64\)"
+    ):
+        big.load_state_dict(state)
+    assert torch.equal(big.to_dense(), before)
+    model = torch.nn.Sequential(BSRLinear(48, 32, (8, 16), density=0.5))
+    model.load_state_dict(torch.nn.Sequential(small).state_dict())  # (under a prefix, same features)
+    assert torch.equal(model[0].to_dense(), small.to_dense())
+    with pytest.raises(ValueError, match="0. is of a BSRLinear"):
+        torch.nn.Sequential(big).load_state_dict(torch.nn.Sequential(small).state_dict())
+    big.load_state_dict(dict(small.state_dict()), strict=False)  # (no metadata: as before, the weak check)
+
+
+def test_a_keep_vars_state_dict_has_its_pattern_checked_too():
+    source = BSRLinear(64, 32, (8, 16), density=0.5, generator=torch.Generator().manual_seed(1))
+    for keep_vars in (False, True):
+        state = dict(source.state_dict(keep_vars=keep_vars))
+        state["col_indices"] = state["col_indices"].clone()
+        state["col_indices"][0] = 99
+        layer = BSRLinear(64, 32, (8, 16), density=0.5, generator=torch.Generator().manual_seed(1))
+        with pytest.raises(ValueError, match="malformed pattern"):
+            layer.load_state_dict(state)
+        assert torch.equal(layer.to_dense(), source.to_dense())

@@ -89,6 +89,12 @@ def save_sparse(
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_sparse(): expected model to be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, BSRLinear):
+        raise ValueError(
+            "save_sparse(): expected a model holding BSRLinear layers, got a BSRLinear itself (load_sparse "
+            "swaps layers inside a model): save the model that holds it, or the layer's state_dict with "
+            "torch.save"
+        )
     if metadata is not None and METADATA_KEY in metadata:
         raise ValueError(f"save_sparse(): the metadata key {METADATA_KEY!r} is reserved for bsrkit's record")
     layers = {
@@ -313,6 +319,8 @@ def load_sparse(
         owner = model.get_submodule(parent_name) if parent_name else model
         if leaf in owner._parameters:
             setattr(owner, leaf, model.get_parameter(source))
+        elif leaf in owner._buffers:  # (tied layers' pattern: sparsify_ shares their index buffers too)
+            owner._buffers[leaf] = model.get_buffer(source)
     _materialise_buffers(model, device)
     return model.to(device)
 

@@ -28,6 +28,9 @@ from bsrkit.validation import (
 
 __all__ = ["BSRLinear"]
 
+# The key of a layer's (out_features, in_features) in its state_dict's module metadata.
+_FEATURES_KEY = "bsrkit_features"
+
 
 def _rebind(t: torch.Tensor, source: torch.Tensor) -> None:
     """``t`` (the same object) now views ``source``'s memory, as ``t.set_(source)``."""
@@ -185,6 +188,15 @@ class BSRLinear(nn.Module):
             raise TypeError(f"{op}: expected x to be a strided (dense) tensor, got layout {x.layout}")
         raise ValueError(f"{op}: expected x of shape (*, {self.in_features}), got {tuple(x.shape)}")
 
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # The feature counts, which no tensor of the checkpoint holds (a layer of fewer in_features has
+        # the same tensors' shapes), go with the module's metadata, as its version does: torch.save keeps
+        # them and load_state_dict hands them back (a checkpoint without them loads as before).
+        metadata = getattr(destination, "_metadata", None)
+        if metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]][_FEATURES_KEY] = (self.out_features, self.in_features)
+
     def _load_from_state_dict(
         self,
         state_dict: dict[str, Any],
@@ -199,7 +211,16 @@ class BSRLinear(nn.Module):
         # later forward); one of another nnz resizes the values and col_indices first.
         names = ("crow_indices", "col_indices", "values")
         crow, col, values = (state_dict.get(prefix + n) for n in names)
-        plain = all(type(t) is torch.Tensor and t.device.type != "meta" for t in (crow, col, values))
+        # (the pattern is judged on index data that can be read: plain tensors with memory, whatever the
+        # values are, a Parameter in a keep_vars=True state_dict for one)
+        plain = all(type(t) is torch.Tensor and t.device.type != "meta" for t in (crow, col))
+        features = local_metadata.get(_FEATURES_KEY)
+        if features is not None and tuple(features) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"BSRLinear.load_state_dict(): {prefix or 'the checkpoint'} is of a BSRLinear with "
+                f"(out_features, in_features) = {tuple(features)}, this layer has "
+                f"{(self.out_features, self.in_features)}"
+            )
         nnz = self._check_checkpoint(state_dict, prefix, crow, col, values, plain)
         before = None
         # (col_indices too: a tied layer, see sparsify_, finds the values its twin resized already)
