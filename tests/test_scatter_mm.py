@@ -81,7 +81,8 @@ def test_indices_data_cached_and_never_stale():
     other = torch.randn(32, 32)
     a = bsrkit.bsr_scatter_mm_indices_data(bsr, other)
     b = bsrkit.bsr_scatter_mm_indices_data(bsr, other)
-    assert all(x is y for x, y in zip(a[1:-1], b[1:-1], strict=True))
+    # Computed once (the counts below); each caller gets its own copy, which it may write.
+    assert all(torch.equal(x, y) and x is not y for x, y in zip(a[1:-1], b[1:-1], strict=True))
     bsr.col_indices()[0] = 1
     c = bsrkit.bsr_scatter_mm_indices_data(bsr, other)
     assert_close(bsrkit.bsr_scatter_mm(bsr, other, c), reference.bsr_scatter_mm(bsr, other))
@@ -310,7 +311,7 @@ def test_negative_int32_offsets_name_the_overflow():
     data[-2] = data[-2].int() - 2**30 * 2  # wrapped around, as torch's would be
     with pytest.raises(ValueError, match="int32 offset that overflowed"):
         bsrkit.scatter_mm(bsr.values(), other, tuple(data))
-    with pytest.raises(ValueError, match="indices data for another pattern or width"):  # not bsr's
+    with pytest.raises(ValueError, match="indices data for another pattern, width or batch"):  # not bsr's
         bsrkit.bsr_scatter_mm(bsr, other, indices_data=tuple(data))
 
 
@@ -345,7 +346,7 @@ def test_indices_data_of_another_width_or_an_earlier_pattern_are_refused(fmt):
         torch.tensor([0, 2, 3, 5]), torch.tensor([0, 2, 1, 0, 2]), torch.randn(5, 4, 4), size=(12, 12)
     )
     narrow = bsrkit.bsr_scatter_mm_indices_data(bsr, torch.randn(12, 8), fmt)
-    with pytest.raises(ValueError, match=r"other.shape\[-1\] == 16, got indices data for another"):
+    with pytest.raises(ValueError, match=r"other.shape\[-1\] == 16.*got indices data for another"):
         bsrkit.bsr_scatter_mm(bsr, torch.randn(12, 16), narrow)
     other = torch.randn(12, 8)
     assert_close(bsrkit.bsr_scatter_mm(bsr, other, narrow), reference.bsr_scatter_mm(bsr, other))
@@ -372,3 +373,67 @@ def test_out_sharing_memory_with_other_is_refused_on_every_path():
     for data in (None, bsrkit.bsr_scatter_mm_indices_data(bsr, other)):
         with pytest.raises(ValueError, match="not to share memory with other"):
             bsrkit.bsr_scatter_mm(bsr, other, data, out=other)
+
+
+@pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])
+def test_out_on_bsrs_values_is_refused_with_and_without_indices_data(fmt):
+    """out overlapping the blocks was zeroed before they were read (the product all zeros and the BSR's
+    values lost): refused, as on the path without indices data."""
+    values = torch.randn(4, 4, 4)
+    bsr = torch.sparse_bsr_tensor(torch.tensor([0, 2, 4]), torch.tensor([0, 1, 0, 1]), values, size=(8, 8))
+    other = torch.randn(8, 8)
+    out = values.view(8, 8)
+    before = values.clone()
+    for data in (None, bsrkit.bsr_scatter_mm_indices_data(bsr, other, fmt)):
+        with pytest.raises(ValueError, match="not to share memory with bsr's values"):
+            bsrkit.bsr_scatter_mm(bsr, other, data, out=out)
+    assert torch.equal(values, before)
+
+
+@pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])
+def test_writing_handed_out_indices_data_changes_no_cached_data(fmt):
+    bsr = random_bsr((32, 32), (8, 8), 0.5)
+    other = torch.randn(32, 16)
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, fmt)
+    edited = next(
+        t for t in data[1:] if isinstance(t, torch.Tensor) and t.numel() > 1 and t.unique().numel() > 1
+    )
+    edited.copy_(edited.flip(0))  # (in bounds: the same entries in another order)
+    with pytest.raises(ValueError, match="expected indices_data made by"):
+        bsrkit.bsr_scatter_mm(bsr, other, data)
+    fresh = bsrkit.bsr_scatter_mm_indices_data(bsr, other, fmt)
+    assert_close(bsrkit.bsr_scatter_mm(bsr, other, fresh), reference.bsr_scatter_mm(bsr, other))
+
+
+def test_bsr_scatter_mm_names_other_and_a_batch_mismatch():
+    bsr = random_bsr((16, 16), (4, 4), 0.5)
+    with pytest.raises(ValueError, match=r"expected other.shape\[-2\] == 16"):
+        bsrkit.bsr_scatter_mm(bsr, torch.randn(12, 8))
+    with pytest.raises(TypeError, match=r"expected other.dtype == torch.float32"):
+        bsrkit.bsr_scatter_mm(bsr, torch.randn(16, 8, dtype=torch.float64))
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, torch.randn(16, 8), "scatter_mm")
+    with pytest.raises(ValueError, match=r"other's 3 batch\(es\)"):
+        bsrkit.bsr_scatter_mm(bsr, torch.randn(3, 16, 8), data)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda bsr, x, o: bsrkit.bsr_dense_mm(bsr, x, out=o),
+        lambda bsr, x, o: bsrkit.bsr_dense_addmm(torch.zeros(16, 8), bsr, x, out=o),
+        lambda bsr, x, o: bsrkit.bsr_transposed_dense_mm(bsr, x, out=o),
+        lambda bsr, x, o: bsrkit.bsr_scatter_mm(bsr, x, None, o),
+        lambda bsr, x, o: bsrkit.bsr_scatter_mm(bsr, x, bsrkit.bsr_scatter_mm_indices_data(bsr, x), o),
+    ],
+    ids=["mm", "addmm", "transposed", "scatter", "scatter-indices"],
+)
+def test_an_out_that_requires_grad_is_refused_as_torch_refuses_it(call):
+    bsr = random_bsr((16, 16), (4, 4), 0.5)
+    x = torch.randn(16, 8)
+    out = torch.zeros(16, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="expected out not to require grad"):
+        call(bsr, x, out)
+    assert not out.detach().any()
+    with torch.no_grad():  # (as torch: allowed where nothing is recorded)
+        result = call(bsr, x, out)
+    assert result is out and torch.equal(out.detach(), call(bsr, x, torch.empty(16, 8)))

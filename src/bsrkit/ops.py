@@ -250,7 +250,7 @@ def checked_addmm(
     elif may_share_memory(out, dense, None if a is None else a.values):
         # The kernels read dense and the blocks (where any are read: a's) while writing out: shared memory
         # would give a silently wrong result.
-        which = "dense" if may_share_memory(out, dense) else "bsr's values"
+        which = _dense_name(op) if may_share_memory(out, dense) else "bsr's values"
         raise ValueError(f"{op}(): expected out not to share memory with {which}, got overlapping tensors")
     if not unproven:
         return dispatch.addmm(
@@ -340,9 +340,10 @@ def _validate_addmm(
     beta = check_scalar(op, "beta", beta)
     alpha = check_scalar(op, "alpha", alpha)
     check_bsr(op, "bsr", bsr, dtypes=_ADDMM_DTYPES)
-    check_strided(op, "dense", dense)
-    check_same_dtype(op, "dense", dense, "bsr", bsr)
-    check_same_device(op, "dense", dense, "bsr", bsr)
+    dense_name = _dense_name(op)
+    check_strided(op, dense_name, dense)
+    check_same_dtype(op, dense_name, dense, "bsr", bsr)
+    check_same_device(op, dense_name, dense, "bsr", bsr)
     integer = bsr.dtype is torch.int8
     out_dtype = torch.int32 if integer else dense.dtype
     if integer and not (beta.is_integer() and alpha.is_integer()):
@@ -354,16 +355,16 @@ def _validate_addmm(
         M, K = K, M
     if dense.shape[-2] != K:
         where = "bsr.shape[-2]" if transpose else "bsr.shape[-1]"
-        raise ValueError(f"{op}(): expected dense.shape[-2] == {K} ({where}), got {dense.shape[-2]}")
-    batch = broadcast_batch(op, ("bsr", "dense"), (bsr.shape[:-2], dense.shape[:-2]))
+        raise ValueError(f"{op}(): expected {dense_name}.shape[-2] == {K} ({where}), got {dense.shape[-2]}")
+    batch = broadcast_batch(op, ("bsr", dense_name), (bsr.shape[:-2], dense.shape[:-2]))
     out_shape = (*batch, M, dense.shape[-1])
     for name, scale, extent in (("left_alpha", left, M), ("right_alpha", right, dense.shape[-1])):
         if scale is None:
             continue
         check_strided(op, name, scale, min_ndim=1)
         if not integer:
-            check_same_dtype(op, name, scale, "dense", dense)
-        check_same_device(op, name, scale, "dense", dense)
+            check_same_dtype(op, name, scale, dense_name, dense)
+        check_same_device(op, name, scale, dense_name, dense)
         try:
             ok = torch.broadcast_shapes(scale.shape, (*batch, extent)) == (*batch, extent)
         except RuntimeError:
@@ -399,6 +400,13 @@ def _validate_addmm(
 
 
 _SAME_DTYPE, _SAME_SHAPE = 1, 2
+
+# The dense operand's name in the public ops that name it otherwise than ``dense`` (as torch's do).
+_DENSE_NAMES = {"bsr_scatter_mm": "other"}
+
+
+def _dense_name(op: str) -> str:
+    return _DENSE_NAMES.get(op, "dense")
 
 
 # -- sampled dense-dense products (SDDMM) ------------------------------------------------------------

@@ -21,19 +21,19 @@ the target density after the first step, then only regrowth.
 While a layer is denser than ``sparse_below`` (default: the break-even density of its device and
 blocksize, :func:`bsrkit.sparsify.break_even_density`) it trains as a masked dense ``nn.Linear``: after
 each optimizer step the removed blocks' weights are zero again, and their optimizer state fresh (every
-per-parameter state tensor of the weight's shape: see :mod:`bsrkit.repattern`). From the first pattern change that takes it below, it
-trains on block-sparse products: it becomes a :class:`~bsrkit.nn.BSRLinear` storing the kept blocks, and
-each later pattern change rewrites that layer's pattern in place (:func:`bsrkit.repattern.move`). Either
-way a kept block keeps its weights and optimizer state, a removed block's are dropped and a regrown block
-starts at zero, and each step computes the gradients the masked dense model computes (a masked-dense
-layer's removed blocks get a zero gradient, as block-sparse storage has none: a clipped gradient norm is
-the same either way). When the stored
-shape changes (``nn.Linear.weight`` becoming ``BSRLinear.values``, the number of kept blocks changing) the
-weight is a new ``Parameter``, which takes the old one's place in the optimizer's ``param_groups`` and
-state; anything else holding the old one (a second optimizer, a list of parameters kept aside, a wrapper
-that records modules or shapes such as DDP or ``torch.compile``) must be told. At constant density
-(regrowth) the ``Parameter`` stays. :meth:`GradualPruner.finalize` makes every pruned layer a
-``BSRLinear`` holding exactly the final pattern.
+per-parameter state tensor of the weight's shape: see :mod:`bsrkit.repattern`). From the first pattern
+change that takes it below, it trains on block-sparse products: it becomes a :class:`~bsrkit.nn.BSRLinear`
+storing the kept blocks, and each later pattern change rewrites that layer's pattern in place
+(:func:`bsrkit.repattern.move`). Either way a kept block keeps its weights and optimizer state, a removed
+block's are dropped and a regrown block starts at zero, and each step computes the gradients the masked
+dense model computes (a masked-dense layer's removed blocks get a zero gradient, as block-sparse storage
+has none: a clipped gradient norm is the same either way). When the stored shape changes
+(``nn.Linear.weight`` becoming ``BSRLinear.values``, the number of kept blocks changing) the weight is a
+new ``Parameter``, which takes the old one's place in the optimizer's ``param_groups`` and state; anything
+else holding the old one (a second optimizer, a list of parameters kept aside, a wrapper that records
+modules or shapes such as DDP or ``torch.compile``) must be told. At constant density (regrowth) the
+``Parameter`` stays. :meth:`GradualPruner.finalize` makes every pruned layer a ``BSRLinear`` holding
+exactly the final pattern.
 
 Use::
 

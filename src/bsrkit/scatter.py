@@ -75,7 +75,7 @@ def bsr_scatter_mm_indices_data(
                 f"{op}(): the 'scatter_mm' format indexes the tiles of other with int32, but other has "
                 f"{tiles} tiles (> 2**31): use another indices_format"
             )
-        return _indices_data(bsr, indices_format, N, nbatches, 0)
+        return _handed_out(_indices_data(bsr, indices_format, N, nbatches, 0))
     if bsr.col_indices().dtype == torch.int32 and K * N - 1 > _INT32_MAX:
         # The offsets into other take the indices' dtype (torch's layout); torch's own would wrap around.
         raise ValueError(
@@ -87,7 +87,13 @@ def bsr_scatter_mm_indices_data(
         meta["allow_tf32"] = bsr.dtype in (torch.float16, torch.bfloat16)
     data = _indices_data(bsr, indices_format, N, 0, meta["SPLIT_N"])
     meta["is_compressed"] = indices_format == "bsr_strided_mm_compressed"
-    return (*data, meta)
+    return (*_handed_out(data), meta)
+
+
+def _handed_out(data: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The caller's own copy of cached indices data: a write into it cannot change the cached data,
+    which every later product compares the caller's against (:func:`_check_indices_data_of`)."""
+    return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in data)
 
 
 @eager_under_compile
@@ -238,6 +244,11 @@ def bsr_scatter_mm(
         and may_share_memory(out, other)
     ):  # (out is written while other is read: shared memory would give a silently wrong result)
         raise ValueError(f"{op}(): expected out not to share memory with other, got overlapping tensors")
+    if isinstance(out, torch.Tensor) and out.layout is torch.strided and may_share_memory(out, bsr.values()):
+        # (zeroed, then accumulated into, while the blocks are read)
+        raise ValueError(
+            f"{op}(): expected out not to share memory with bsr's values, got overlapping tensors"
+        )
     if indices_data is None:
         return checked_addmm(op, None, bsr, other, beta=0.0, alpha=1.0, out=out, meta=None)
     _check_no_grad(op, bsr=bsr, other=other)
@@ -290,9 +301,9 @@ def _check_indices_data_of(
     """``indices_data`` must be what :func:`bsr_scatter_mm_indices_data` gives for ``bsr``'s pattern as
     it is now and ``other``'s width ``N`` (bsrkit's or torch's: the same layout). Bounds alone would let
     data made for another ``N`` or an earlier pattern through, and the product would be silently wrong.
-    The data bsrkit handed out are the cached ones themselves: no comparison then. On a device, other
-    data are compared by shape only, unless in the checked mode (``$BSRKIT_CHECK_PLANS=1``): comparing
-    their contents would make every call wait for the device."""
+    The data bsrkit hands out are copies of the cached ones (a caller may write them): they are
+    compared as any other. On a device, data are compared by shape only, unless in the checked mode
+    (``$BSRKIT_CHECK_PLANS=1``): comparing their contents would make every call wait for the device."""
     strided = fmt != "scatter_mm"
     compare = bsr.device.type == "cpu" or check_mode()[1]
     meta = indices_data[-1] if strided and isinstance(indices_data[-1], dict) else None
@@ -307,18 +318,16 @@ def _check_indices_data_of(
         expected is None
         or len(indices_data) != len(expected) + strided
         or not all(
-            g is e
-            or (
-                isinstance(g, torch.Tensor)
-                and g.shape == e.shape
-                and (not compare or torch.equal(g.to(e.dtype), e))
-            )
+            isinstance(g, torch.Tensor)
+            and g.shape == e.shape
+            and (not compare or torch.equal(g.to(e.dtype), e))
             for g, e in zip(indices_data[1 : len(expected)], expected[1:], strict=True)
         )
     ):
+        batches = "" if strided else f" with other's {nbatches} batch(es) (the format fixes the count)"
         raise ValueError(
             f"{op}(): expected indices_data made by bsr_scatter_mm_indices_data for this bsr as it is now "
-            f"and other.shape[-1] == {N}, got indices data for another pattern or width"
+            f"and other.shape[-1] == {N}{batches}, got indices data for another pattern, width or batch"
         )
 
 

@@ -145,8 +145,14 @@ def check_out(
 ) -> None:
     """``out`` must be a strided tensor of ``shape``, ``dtype`` and ``device``; with ``distinct``, one
     whose elements are distinct memory (an expanded view would take every write at one place: torch
-    refuses it too)."""
+    refuses it too); under grad mode, one that does not require grad (as torch's ``out=``: a write into it
+    is not differentiable)."""
     check_strided(op, name, out, min_ndim=0)
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{op}(): expected {name} not to require grad (out= is not differentiable; torch refuses it "
+            "too), got one that does: pass a tensor without requires_grad, or call under torch.no_grad()"
+        )
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{op}(): expected {name}.shape == {tuple(shape)}, got {tuple(out.shape)}")
     if distinct and torch._debug_has_internal_overlap(out) == 1:
