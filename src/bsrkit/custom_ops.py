@@ -61,7 +61,7 @@ def linear_product(
             if not done:
                 # A kept operand with the cheap half of its proof; rerun_prepared (or its loop) proves the
                 # rest before anything derived from the index data is used.
-                a = shortcuts.kept_operand(weight, compare=unproven)
+                a = shortcuts.kept_operand(weight, compare=unproven, members_proven=True)
                 if a is not None:
                     done = dispatch.rerun_weight_call(a, call, x, y, unproven)
         except shortcuts.StalePattern:
@@ -71,7 +71,8 @@ def linear_product(
             a = Operand.after_stale(weight, stale, _OP, "weight")
     if not done:
         if a is None:
-            a = Operand.of(weight, _OP, "weight")  # (validates the pattern once; errors name the weight)
+            # (validates the pattern once; errors name the weight; kept_weight compared its members)
+            a = Operand.of(weight, _OP, "weight", members_proven=True)
         checked = None if call is None else call.checked
         dense, out = dispatch.rows(x).mT, dispatch.rows(y).mT
         ops.checked_addmm(

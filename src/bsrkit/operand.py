@@ -59,12 +59,14 @@ class Operand(NamedTuple):
         return plans.cached(name, self.source, *params)
 
     @classmethod
-    def of(cls, bsr: torch.Tensor, op: str = "bsrkit", name: str = "bsr") -> Operand:
+    def of(
+        cls, bsr: torch.Tensor, op: str = "bsrkit", name: str = "bsr", members_proven: bool = False
+    ) -> Operand:
         """The operand of a BSR tensor, its pattern validated (once per pattern: see
         :func:`bsrkit.plans.check_pattern`); ``op`` and ``name`` word the ``ValueError`` for a malformed
         one. The same object for repeated calls with the same, unchanged tensor (see
-        :func:`bsrkit.shortcuts.kept_operand`)."""
-        kept = shortcuts.kept_operand(bsr)
+        :func:`bsrkit.shortcuts.kept_operand`, and its ``members_proven``)."""
+        kept = shortcuts.kept_operand(bsr, members_proven=members_proven)
         if kept is not None:
             return kept
         M, K = bsr.shape[-2:]

@@ -182,11 +182,30 @@ def keep_checked_call(signature: tuple[Any, ...], checked: CheckedCall) -> None:
 #   TensorImpl comparison catches any other swap.
 # Inference tensors (no version counter) are never kept.
 
-# id(wrapper) -> (ref to it, its TensorImpl address, its version, the operand, its pattern's snapshot)
+# - neither says which memory the members view: ``member.data = t``, ``member.set_(...)`` (on the tensors a
+#   wrapper was built from, which *are* its members) re-point a member without any counter the wrapper
+#   or its aliases share, and the operand's aliases keep the old memory alive (and unchanged: the snapshot
+#   would pass). So a hit also compares the members' addresses and layouts, read through the accessors
+#   (~2.5 µs: the price of the promise); a kept weight's wrapper skips it (``members_proven``: its parts,
+#   which are its members, were compared by kept_weight in the same call).
+
+# id(wrapper) -> (ref to it, its TensorImpl address, its version, the operand, its pattern's snapshot,
+#                 its members' layout)
 _operands: dict[int, tuple[Any, ...]] = {}
 
 
-def kept_operand(bsr: torch.Tensor, compare: bool | None = None) -> Operand | None:
+def _member_layout(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor) -> tuple[Any, ...]:
+    """Which memory a wrapper's members view, and how (one flat tuple: this runs on every kept hit)."""
+    return (
+        crow.data_ptr(), crow.shape, crow.stride(),
+        col.data_ptr(), col.shape, col.stride(),
+        values.data_ptr(), values.shape, values.stride(),
+    )  # fmt: skip
+
+
+def kept_operand(
+    bsr: torch.Tensor, compare: bool | None = None, members_proven: bool = False
+) -> Operand | None:
     """The operand kept for this very ``bsr`` (:func:`keep_operand`), or None when it may have changed
     since. A hit counts as a hit of the plan cache too (it stands for one).
 
@@ -194,10 +213,13 @@ def kept_operand(bsr: torch.Tensor, compare: bool | None = None) -> Operand | No
     ``$BSRKIT_CHECK_PLANS``); True, its cheap half only (``intact``: None where that cannot stand for it,
     a snapshot of device memory), the caller comparing the index data before it trusts anything derived
     from it (a deferred proof: see the module's docstring); False, nothing (the caller read
-    ``$BSRKIT_CHECK_PLANS=0``)."""
+    ``$BSRKIT_CHECK_PLANS=0``). ``members_proven``: the caller has proven that ``bsr``'s members view
+    what they viewed (a kept weight's wrapper), else they are compared here."""
     seen = _operands.get(id(bsr))
     if seen is None or seen[0]() is not bsr or seen[1] != bsr._cdata or seen[2] != bsr._version:
         return None
+    if not members_proven and seen[5] != _member_layout(bsr.crow_indices(), bsr.col_indices(), bsr.values()):
+        return None  # a member re-pointed (.data =, set_): rebuilt from the members as they are
     if compare is None:
         if not seen[4].unchanged():
             return None  # its pattern was written since: the caller rebuilds (and revalidates) it
@@ -217,7 +239,8 @@ def keep_operand(bsr: torch.Tensor, version: int, operand: Operand) -> None:
     # see bsrkit.cache); its id cannot be reused before that, as the callback runs while it is freed.
     forget = functools.partial(_operands.pop, id(bsr))  # called as pop(id, ref)
     proof = operand.pattern.proof  # (of the memory of bsr's members: the pattern's key names it)
-    _operands[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand, proof)
+    members = _member_layout(operand.crow, operand.col, operand.values)
+    _operands[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand, proof, members)
 
 
 def forget_operand(bsr: torch.Tensor, a: Operand) -> None:
