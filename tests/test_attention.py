@@ -1,6 +1,8 @@
 """Block-sparse scaled_dot_product_attention against masked dense attention (forward and gradients, float64),
 and the mask builders against their dense definitions."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -268,8 +270,10 @@ def test_arguments():
         bsrkit.scaled_dot_product_attention(q, q, q, mask.to(torch.float64))
     with pytest.raises(TypeError, match=op + r"expected key.dtype == torch.float32"):
         bsrkit.scaled_dot_product_attention(q, q.double(), q, mask)
-    with pytest.raises(ValueError, match=op + "expected dropout_p to be a number in"):
+    with pytest.raises(ValueError, match=op + r"expected dropout_p in \[0, 1\], got 1.5"):
         bsrkit.scaled_dot_product_attention(q, q, q, mask, dropout_p=1.5)
+    with pytest.raises(TypeError, match=op + "expected dropout_p to be a real number, got str"):
+        bsrkit.scaled_dot_product_attention(q, q, q, mask, dropout_p="0.1")
     with pytest.raises(TypeError, match=op + "expected is_causal to be a bool"):
         bsrkit.scaled_dot_product_attention(q, q, q, mask, is_causal=1)
     with pytest.raises(ValueError, match=op + "expected broadcastable batch dimensions"):
@@ -457,3 +461,41 @@ def test_fused_forward_then_declined_backward_recomputes_the_weights(monkeypatch
     mask = _with_false_entries(bsrkit.sliding_window_mask(16, 5, 4))
     q, k, v = _inputs((2, 16, 4), (2, 16, 4), (2, 16, 3), seed=6)
     _compare(q, k, v, mask, is_causal=True)
+
+
+@pytest.mark.parametrize("cpu_path", ["fused", "composed"], indirect=True)
+def test_scales_a_gemm_would_fold_into_an_operand_match_torch(cpu_path):
+    """A NaN scale, and one so large that scale * key overflows while the scaled scores (0 for a zero
+    query row) do not, give what torch's SDPA gives on both CPU paths (the fused loops hand the scale to
+    the gemm as alpha, which MKL may fold into an operand or, for NaN, ignore)."""
+    mask = bsrkit.sliding_window_mask(8, 8, 4)
+    dense = reference.bsr_to_dense(mask).bool()
+    q, k, v = (t.detach() for t in _inputs((8, 4), (8, 4), (8, 3), seed=2))
+    q[0] = 0
+    for scale in (math.nan, 1e308, -1e308, 2.0, 0.5):
+        got = bsrkit.scaled_dot_product_attention(q, k, v, mask, scale=scale)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale)
+        torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m, s=scale: f"scale={s}: {m}")
+
+
+def test_numpy_scalars_are_taken_as_torch_takes_them():
+    mask = bsrkit.sliding_window_mask(8, 2, 4)
+    q = torch.randn(8, 4)
+    want = bsrkit.scaled_dot_product_attention(q, q, q, mask, scale=0.5)
+    torch.testing.assert_close(
+        bsrkit.scaled_dot_product_attention(q, q, q, mask, scale=np.float32(0.5)), want
+    )
+    with torch.no_grad():
+        bsrkit.scaled_dot_product_attention(q, q, q, mask, dropout_p=np.float64(0.1))
+
+
+def test_a_float_mask_that_requires_grad_is_refused_under_grad_mode():
+    """Its values are not differentiated: a learned bias would silently get no gradient."""
+    bias = bsrkit.sliding_window_mask(8, 2, 4).to(torch.float32)
+    values = bias.values().clone().requires_grad_()
+    mask = torch.sparse_bsr_tensor(bias.crow_indices(), bias.col_indices(), values, size=bias.shape)
+    q = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="expected an attn_mask that does not require grad"):
+        bsrkit.scaled_dot_product_attention(q, q, q, mask)
+    with torch.no_grad():  # (nothing is recorded: allowed)
+        bsrkit.scaled_dot_product_attention(q, q, q, mask)

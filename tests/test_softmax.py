@@ -137,3 +137,21 @@ def test_arguments():
         bsrkit.bsr_softmax(x, max_row_nnz=0)
     with pytest.raises(TypeError, match=r"expected max_row_nnz to be an int or None"):
         bsrkit.bsr_softmax(x, max_row_nnz=2.0)
+
+
+def test_a_second_derivative_through_bsr_softmax_warns_that_it_misses_terms():
+    """Its backward is first-order only; the error first_order_only would raise is dropped by torch's
+    backward of a BSR's values() and constructor, so create_graph warns instead of silently missing."""
+    import warnings
+
+    x = torch.randn(8, 8, dtype=torch.float64).to_sparse_bsr((4, 4))
+    values = x.values().clone().requires_grad_()
+    y = bsrkit.bsr_softmax(torch.sparse_bsr_tensor(x.crow_indices(), x.col_indices(), values, size=x.shape))
+    with pytest.warns(UserWarning, match=r"bsr_softmax\(\): differentiated with create_graph"):
+        torch.autograd.grad(y.values().pow(2).sum(), values, create_graph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a first-order backward does not warn)
+        y = bsrkit.bsr_softmax(
+            torch.sparse_bsr_tensor(x.crow_indices(), x.col_indices(), values, size=x.shape)
+        )
+        torch.autograd.grad(y.values().pow(2).sum(), values)

@@ -30,14 +30,16 @@ exactly those holding an allowed entry. NaN in ``query``, ``key`` or the bias re
 attend it, as the math does; an entry a mask excludes stays excluded whatever its score. NaN or Inf in
 ``value`` reaches the output of every row whose stored blocks hold its key, allowed or not: the excluded
 entries of a stored block weigh it by an exact 0, and 0 * Inf is NaN (torch's SDPA weighs every key so,
-and gives NaN in every row). So does NaN or Inf in ``key`` reach those rows' ``query`` gradient, except
-in the fused CPU backward (which skips excluded entries). Under
+and gives NaN in every row); so does NaN or Inf in ``key`` reach those rows' ``query`` gradient. The
+fused CPU loops differ in what they skip whole: a row with no allowed entry (0, its NaN-weighted keys
+unread) and blocks ``is_causal`` excludes entirely; the composed path reads those blocks. Under
 ``torch.compile`` this runs eagerly (a graph break around the compiled loops).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import torch
@@ -108,20 +110,24 @@ def scaled_dot_product_attention(
       :math:`1/(1-p)`; applied whenever ``dropout_p > 0``).
     * ``scale``: :math:`s`, default :math:`1/\sqrt{E}`.
 
-    Differentiable in ``query``, ``key`` and ``value`` (not in a float mask's values). Half types:
+    Differentiable in ``query``, ``key`` and ``value``; a float mask whose values require grad is refused
+    under grad mode (its values are not differentiated: a learned bias would get no gradient). Half types:
     products and softmax accumulate in float32.
     """
     _check_inputs(query, key, value, attn_mask)
     query, key, value = resolved(query), resolved(key), resolved(value)  # (the kernels read memory)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p <= 1:
-        raise ValueError(f"{_OP}(): expected dropout_p to be a number in [0, 1], got {dropout_p!r}")
+    # (numbers.Real: numpy's scalars too, as torch's SDPA takes them)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{_OP}(): expected dropout_p to be a real number, got {type(dropout_p).__name__}")
+    if not 0 <= dropout_p <= 1:
+        raise ValueError(f"{_OP}(): expected dropout_p in [0, 1], got {dropout_p!r}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"{_OP}(): expected is_causal to be a bool, got {type(is_causal).__name__}")
     if scale is None:
         if query.shape[-1] == 0:
             raise ValueError(f"{_OP}(): expected query.shape[-1] > 0 when scale is None (1/sqrt(E)), got 0")
         scale = 1 / math.sqrt(query.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{_OP}(): expected scale to be a real number or None, got {type(scale).__name__}")
     batch = broadcast_batch(
         _OP,
@@ -135,7 +141,7 @@ def scaled_dot_product_attention(
     a = Operand.of(_pattern(attn_mask, tuple(batch)), _OP, "attn_mask")
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     fused = None
-    if _may_fuse(sampled, softmax, addmm, a, query, value, dropout_p):
+    if _may_fuse(sampled, softmax, addmm, a, query, value, dropout_p, float(scale)):
         fused = fused_attention(addmm)
     call = _Call(
         sampled,
@@ -156,6 +162,7 @@ def scaled_dot_product_attention(
 
 
 FUSED_ENV = "BSRKIT_FUSED_ATTENTION"
+_FUSED_SCALE_MAX = 1.0  # (1/sqrt(E) for any E >= 1; see _may_fuse)
 
 
 class _Call(NamedTuple):
@@ -182,11 +189,18 @@ def _may_fuse(
     query: torch.Tensor,
     value: torch.Tensor,
     dropout_p: float,
+    scale: float,
 ) -> bool:
     """Whether a backend's fused loops (an optional capability: :func:`~bsrkit.backends.base.fused_attention`)
     may take this call; otherwise the composed path (SDDMM, softmax, products) runs.
-    ``BSRKIT_FUSED_ATTENTION=0`` turns them off (for testing the composed path). Dropout is composed."""
+    ``BSRKIT_FUSED_ATTENTION=0`` turns them off (for testing the composed path). Dropout is composed, and
+    so is a scale that is not finite or above 1 in size: the fused loops hand it to the gemm as alpha,
+    which a BLAS may fold into an operand (``scale * key`` overflows where the scaled product does not:
+    a zero query row gave NaN) or, for NaN, ignore in some shapes; the composed path scales the formed
+    product."""
     if getenv(FUSED_ENV) == "0":
+        return False
+    if not (math.isfinite(scale) and abs(scale) <= _FUSED_SCALE_MAX):
         return False
     if dropout_p > 0 or sampled is not addmm or softmax is not addmm or not a.nnz:
         return False
@@ -214,6 +228,13 @@ def _check_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
             f"{_OP}(): expected attn_mask.dtype to be torch.bool or {query.dtype}, got {attn_mask.dtype}"
         )
     check_same_device(_OP, "attn_mask", attn_mask, "query", query)
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        # (not differentiated: a learned bias would silently get no gradient)
+        raise ValueError(
+            f"{_OP}(): expected an attn_mask that does not require grad (bsrkit does not differentiate "
+            "a float mask's values), got one that does: detach it, or use torch's "
+            "scaled_dot_product_attention for a learned bias"
+        )
     L, E = query.shape[-2:]
     S = key.shape[-2]
     if key.shape[-1] != E:
