@@ -531,3 +531,50 @@ def test_verify_contents_hands_the_function_its_arguments_negative_and_conjugate
     z = torch.tensor([1 + 2j, 3 - 1j])
     assert total(z.conj()).item() == (4 - 1j)
     assert total(z.conj().imag).item() == -1.0
+
+
+def test_a_value_carrying_an_autograd_graph_is_refused():
+    """Its saved tensors (the argument among them) would keep the entry alive forever."""
+
+    @weak_lru_cache(maxsize=8)
+    def gram(w):
+        return w @ w.T
+
+    w = torch.randn(16, 16, requires_grad=True)
+    with pytest.raises(ValueError, match=r"gram\(\): the returned value carries an autograd graph"):
+        gram(w)
+    assert gram.cache_info().currsize == 0
+    with torch.no_grad():
+        torch.testing.assert_close(gram(w), w.detach() @ w.detach().T)
+    assert gram.cache_info().currsize == 1
+
+
+def test_scalars_equal_in_python_but_not_to_the_function_are_distinct_keys():
+    @weak_lru_cache(maxsize=8)
+    def scale(t, s):
+        return t * s
+
+    t = torch.tensor([1, 2, 3])
+    assert scale(t, 2).dtype == torch.int64
+    assert scale(t, 2.0).dtype == torch.float32
+    assert scale(t, True).dtype == torch.int64 and scale(t, True).tolist() == [1, 2, 3]
+    f = torch.ones(2)
+    assert torch.equal(1 / scale(f, 0.0), torch.full((2,), torch.inf))
+    assert torch.equal(1 / scale(f, -0.0), torch.full((2,), -torch.inf))
+    assert scale.cache_info().misses == 5 and scale(t, 2).dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.eye(3).to_sparse(), lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])],
+    ids=["coo", "nested"],
+)
+def test_a_tensor_that_cannot_be_keyed_is_named(make):
+    @weak_lru_cache(maxsize=8)
+    def f(x, y=None):
+        return 1
+
+    with pytest.raises(TypeError, match="weak_lru_cache: argument #0"):
+        f(make())
+    with pytest.raises(TypeError, match="weak_lru_cache: argument 'y'"):
+        f(torch.ones(2), y=make())

@@ -38,6 +38,7 @@ counting it).
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import types
 import weakref
@@ -381,6 +382,15 @@ class _CacheState:
                 return  # its memory is gone already: nothing could ever hit the entry
             anchors.extend(objs)
         arrays = _value_arrays(value)
+        graphed = next((a for a in arrays if isinstance(a, torch.Tensor) and a.grad_fn is not None), None)
+        if graphed is not None:
+            raise ValueError(
+                f"{self.func.__qualname__}(): the returned value carries an autograd graph (a tensor of "
+                f"shape {tuple(graphed.shape)} with grad_fn {type(graphed.grad_fn).__name__}): caching it "
+                "would keep the graph, and the tensors it saved (the arguments among them), alive forever, "
+                "and a second backward through it would fail. Compute it under torch.no_grad() or return "
+                ".detach()ed tensors."
+            )
         pinned = _pins(arrays, anchors)
         if pinned is not None:
             what = (
@@ -457,12 +467,12 @@ def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) 
     if isinstance(value, torch.Tensor):
         if value.is_inference():
             raise _Uncacheable
-        k = TensorKey(value)
+        k = _tensor_key(value, name)
         keys.append(k)
         version.extend(k.version)
         return k
     if type(value) in _SCALARS:
-        return value
+        return _scalar_part(value)
     if isinstance(value, tuple):
         return tuple(_key_part(v, (name, i), keys, version) for i, v in enumerate(value))
     try:
@@ -476,6 +486,27 @@ def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) 
 
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+def _scalar_part(value: Any) -> Any:
+    """A scalar as a key component that equals another only for the same call: ``2``, ``2.0`` and
+    ``True`` are equal in Python but not to a function (``t * 2.0`` is a float tensor), nor are ``0.0``
+    and ``-0.0`` (``1 / -0.0``)."""
+    kind = type(value)
+    if kind is float:
+        return (float, value, math.copysign(1.0, value))
+    if kind is int or kind is bool:
+        return (kind, value)
+    return value
+
+
+def _tensor_key(t: torch.Tensor, name: Any) -> TensorKey:
+    """``TensorKey(t)``; a tensor it cannot key (a COO, nested or mkldnn tensor) is a ``TypeError`` naming
+    the argument."""
+    try:
+        return TensorKey(t)
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"weak_lru_cache: argument {_describe(name)}: {exc}") from None
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -517,13 +548,13 @@ def _make_key(
     parts: list[Any] = []
     try:
         for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and not a.is_inference():  # common cases first, no call
-                k = TensorKey(a)
+            if isinstance(a, torch.Tensor) and not a.is_inference():  # common cases first
+                k = _tensor_key(a, i)
                 keys.append(k)
                 version += k.version
                 parts.append(k)
             elif type(a) in _SCALARS:
-                parts.append(a)
+                parts.append(_scalar_part(a))
             elif type(a) is TensorKey:  # built by the caller, who holds its tensor
                 t = a.obj
                 if t is None:
@@ -570,7 +601,8 @@ def weak_lru_cache(
         :mod:`bsrkit.freshness`). The copy's bytes are not counted in ``maxbytes``. The function then
         reads that copy, never the arguments' memory: it receives, for each tensor argument (or
         :class:`TensorKey`), a tensor of the same metadata whose data is the copy (a sparse compressed
-        tensor: its indices; its values hold no memory and must not be read).
+        tensor: its indices; its values hold no memory and must not be read). The copies do not require
+        grad (a cached value cannot carry a graph: see below).
     pass_snapshot:
         With ``verify_contents``: also pass the :class:`~bsrkit.freshness.Snapshot` the value is derived
         from, as the keyword ``snapshot`` (for a value that proves itself later, like a ``Pattern``).
@@ -600,7 +632,10 @@ def weak_lru_cache(
     run the function once; the others wait and count as hits; an ``Exception`` reaches every waiter and
     nothing is cached (after a ``KeyboardInterrupt`` in the running call, a waiter computes the value
     itself). A value that shares memory with one of its tensor arguments (the tensor, a view of it, its
-    storage) is refused with a ``ValueError``: it would keep that memory, hence the entry, alive forever.
+    storage) is refused with a ``ValueError``: it would keep that memory, hence the entry, alive forever;
+    so is one that carries an autograd graph (a tensor with a ``grad_fn``), whose saved tensors would.
+    Scalar arguments are keyed with their type (``2``, ``2.0`` and ``True`` are three keys; so are
+    ``0.0`` and ``-0.0``).
     """
     if callable(maxsize) and maxbytes is None:  # used bare: @weak_lru_cache
         return weak_lru_cache()(maxsize)
