@@ -258,6 +258,9 @@ def test_tensor_parallel_on_one_rank_is_the_layer(world_of_one):
     assert gathered.state_dict().keys() == reference[0].state_dict().keys()
     for key, value in reference[0].state_dict().items():
         assert torch.equal(gathered.state_dict()[key], value), key
+    assert gathered.values.requires_grad and gathered.bias.requires_grad
+    tp_model[2].values.requires_grad_(False)  # (a frozen layer gathers frozen)
+    assert not tp_model[2].to_bsr_linear().values.requires_grad
     with pytest.raises(ValueError, match=r"forward\(\): expected x of shape \(\*, 32\), got \(2, 31\)"):
         tp_model(torch.randn(2, 31))
     with pytest.raises(ValueError, match=r"forward\(\): expected x of shape \(\*, 32\), got \(\)"):

@@ -264,10 +264,11 @@ class BlockRowParallelBSRLinear(nn.Module):
         )
         layer.crow_indices = torch.cat([row_nnz.new_zeros(1), row_nnz.cumsum(0)])
         layer.col_indices = col
-        layer.values = nn.Parameter(values)
+        layer.values = nn.Parameter(values, requires_grad=self.values.requires_grad)  # (frozen stays so)
         if self.bias is not None:
             counts = [(b - a) * bo for a, b in _pairs(self.row_splits)]
-            layer.bias = nn.Parameter(_gather_rows(self.bias.detach(), counts, self.group))
+            bias = _gather_rows(self.bias.detach(), counts, self.group)
+            layer.bias = nn.Parameter(bias, requires_grad=self.bias.requires_grad)
         return layer
 
     def extra_repr(self) -> str:
