@@ -660,3 +660,25 @@ def test_empty_products_return_zeros_of_the_right_kind():
     assert not bsrkit.bsr_dense_addmm(torch.ones(32, 5), bsr, torch.randn(32, 5), beta=0, alpha=0).any()
     nan = bsrkit.bsr_dense_addmm(torch.ones(32, 5), empty, torch.randn(32, 5), beta=0, alpha=float("inf"))
     assert nan.isnan().all()
+
+
+def test_products_on_meta_tensors_give_shapes_only():
+    """As torch's ops on meta (shape inference, meta-device model building): no pattern to read."""
+    bsr = torch.randn(64, 32).to_sparse_bsr(16).to("meta")
+    x = torch.randn(32, 8, device="meta")
+    for result, shape in (
+        (bsrkit.bsr_dense_mm(bsr, x), (64, 8)),
+        (bsrkit.bsr_dense_addmm(torch.empty(64, 8, device="meta"), bsr, x), (64, 8)),
+        (bsrkit.bsr_transposed_dense_mm(bsr, torch.randn(64, 8, device="meta")), (32, 8)),
+        (bsrkit.bsr_dense_mm(bsr, x.requires_grad_()), (64, 8)),
+        (bsrkit.bsr_scatter_mm(bsr, x), (64, 8)),
+    ):
+        assert result.device.type == "meta" and tuple(result.shape) == shape
+    s = bsrkit.sampled_addmm(bsr, torch.randn(3, 64, 4, device="meta"), torch.randn(4, 32, device="meta"))
+    assert s.device.type == "meta" and s.layout is torch.sparse_bsr and tuple(s.shape) == (3, 64, 32)
+    q = torch.randn(2, 64, 8, device="meta")
+    mask = bsrkit.sliding_window_mask(64, 8, 16).to("meta")
+    a = bsrkit.scaled_dot_product_attention(q, q, torch.randn(2, 64, 5, device="meta"), mask)
+    assert a.device.type == "meta" and tuple(a.shape) == (2, 64, 5)
+    with pytest.raises(ValueError, match=r"expected dense.shape\[-2\] == 32"):  # (still checked)
+        bsrkit.bsr_dense_mm(bsr, torch.randn(31, 8, device="meta"))
