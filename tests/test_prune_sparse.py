@@ -667,3 +667,13 @@ def test_a_regrown_block_starts_from_the_optimizers_own_fresh_state(sparse_below
             module = model[int(name)]
             state = _dense(module, after[name], opt.state[_weight(module)][key])
             assert bool((block_view(state, BS)[g] == fresh).all()), (key, name)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is newer than this torch")
+def test_muon_is_refused_where_a_layer_would_train_block_sparse():
+    """Muon trains 2-D parameters only: its first step after a layer turned block-sparse failed."""
+    model = _model()
+    opt = torch.optim.Muon([model[2].weight], lr=0.01)
+    with pytest.raises(ValueError, match="torch.optim.Muon trains 2-D parameters only"):
+        _pruner(model, opt, filter_fn=lambda module, fqn: fqn == "2", regrow=None)
+    _pruner(model, opt, filter_fn=lambda module, fqn: fqn == "2", regrow=None, sparse_below=None)

@@ -226,6 +226,13 @@ class GradualPruner:
             )
         if not self._layers:
             raise ValueError(f"{op}: no layer selected (filter_fn, or no nn.Linear the blocksize divides)")
+        muon = getattr(torch.optim, "Muon", None)
+        if muon is not None and isinstance(optimizer, muon) and any(x.sparse_below > 0 for x in self._layers):
+            raise ValueError(
+                f"{op}: torch.optim.Muon trains 2-D parameters only, and a layer trained block-sparse "
+                "stores its blocks as a 3-D Parameter: pass sparse_below=None (masked dense until "
+                "finalize()), or another optimizer"
+            )
         for layer in self._layers:
             self._start_capture(layer)
         self._arm()
