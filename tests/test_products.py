@@ -682,3 +682,34 @@ def test_products_on_meta_tensors_give_shapes_only():
     assert a.device.type == "meta" and tuple(a.shape) == (2, 64, 5)
     with pytest.raises(ValueError, match=r"expected dense.shape\[-2\] == 32"):  # (still checked)
         bsrkit.bsr_dense_mm(bsr, torch.randn(31, 8, device="meta"))
+
+
+def test_the_reference_agrees_with_the_documented_semantics():
+    """The oracle itself: int8 products are int32 (exact); a non-finite dense entry meets only stored
+    blocks (torch's BSR product gives the same); a non-finite value reaches only rows whose stored
+    blocks hold its key."""
+    w = torch.full((16, 16), 127, dtype=torch.int8)
+    bsr = w.to_sparse_bsr((8, 8))
+    x = torch.full((16, 4), 127, dtype=torch.int8)
+    for got in (reference.bsr_dense_mm(bsr, x), reference.bsr_transposed_dense_mm(bsr, x)):
+        assert got.dtype == torch.int32 and got[0, 0].item() == 16 * 127 * 127
+    dense = torch.zeros(4, 4)
+    dense[:2, :2] = torch.arange(1.0, 5.0).reshape(2, 2)
+    b = dense.to_sparse_bsr((2, 2))  # one stored block, top left
+    y = torch.tensor([[1.0], [1.0], [torch.inf], [torch.nan]])
+    want = b @ y  # (torch's own BSR product)
+    torch.testing.assert_close(reference.bsr_dense_mm(b, y), want, equal_nan=True)
+    torch.testing.assert_close(bsrkit.bsr_dense_mm(b, y), want, equal_nan=True)
+    torch.testing.assert_close(
+        reference.bsr_transposed_dense_mm(b, y),
+        b.to_dense().mT.contiguous().to_sparse_bsr((2, 2)) @ y,
+        equal_nan=True,
+    )
+    mask = bsrkit.mask_from_dense(
+        torch.tensor([[True, False], [False, True]]).repeat_interleave(2, 0).repeat_interleave(2, 1), 2
+    )
+    q, v = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    v[3] = torch.nan  # in the second block column only: rows 0-1 never hold it
+    out = reference.scaled_dot_product_attention(q, q, v, mask)
+    assert torch.isfinite(out[:2]).all() and torch.isnan(out[2:]).all()
+    torch.testing.assert_close(bsrkit.scaled_dot_product_attention(q, q, v, mask), out, equal_nan=True)

@@ -64,3 +64,52 @@ def test_int8_products_are_exact(backend, K):
     assert torch.equal(got, (3 * inp.long() - 2 * expected.long()).to(torch.int32))
     with pytest.raises(ValueError, match="integer beta and alpha"):
         bsrkit._int_bsr_dense_addmm(inp, bsr, x, alpha=0.5)
+
+
+def _saturated_int8():
+    w = torch.full((16, 16), 127, dtype=torch.int8)
+    return w, w.to_sparse_bsr((8, 8)), torch.full((16, 4), 127, dtype=torch.int8)
+
+
+def test_an_int8_product_refuses_a_scale_that_requires_grad():
+    """Its exact int32 result cannot carry a gradient (it came back as int8, wrapped)."""
+    _, bsr, x = _saturated_int8()
+    inp = torch.zeros(16, 4, dtype=torch.int32)
+    for kwargs, name in (
+        ({"left_alpha": torch.ones(16, requires_grad=True)}, "left_alpha"),
+        ({"right_alpha": torch.ones(4, requires_grad=True)}, "right_alpha"),
+    ):
+        with pytest.raises(ValueError, match=f"expected {name} not to require grad in an int8 product"):
+            bsrkit.bsr_dense_addmm(inp, bsr, x, **kwargs)
+    with torch.no_grad():
+        y = bsrkit.bsr_dense_addmm(inp, bsr, x, left_alpha=torch.ones(16, requires_grad=True))
+    assert y.dtype == torch.int32 and y[0, 0].item() == 16 * 127 * 127
+    with pytest.raises(TypeError, match=r"expected left_alpha.dtype in \{int8"):
+        bsrkit.bsr_dense_addmm(inp, bsr, x, left_alpha=torch.ones(16, dtype=torch.complex64))
+
+
+def test_an_int8_result_beyond_int32_wraps_around_as_torchs_int32():
+    """A float64 cast straight to int32 saturated to -2**31; torch's int32 arithmetic wraps (and the
+    reference does as the library)."""
+    w, bsr, x = _saturated_int8()
+    zeros, big = torch.zeros(16, 4, dtype=torch.int32), torch.full((16, 4), 2**31 - 1, dtype=torch.int32)
+    for inp, beta, alpha in ((zeros, 1, 10000), (big, 2, 1)):
+        want = torch.addmm(inp, w.int(), x.int(), beta=beta, alpha=alpha)
+        assert torch.equal(bsrkit.bsr_dense_addmm(inp, bsr, x, beta=beta, alpha=alpha), want)
+        assert torch.equal(reference.bsr_dense_addmm(inp, bsr, x, beta=beta, alpha=alpha), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_scales_bring_back_a_half_product_beyond_its_range(dtype):
+    """The scaled path formed the product in the half dtype: 1.0e5 became inf before the 1e-3 scale."""
+    w = torch.full((16, 16), 80.0, dtype=dtype)
+    bsr, x = w.to_sparse_bsr((8, 8)), torch.full((16, 4), 80.0, dtype=dtype)
+    inp = torch.zeros(16, 4, dtype=dtype)
+    for kwargs in (
+        {"left_alpha": torch.full((16,), 1e-3, dtype=dtype)},
+        {"right_alpha": torch.full((4,), 1e-3, dtype=dtype)},
+    ):
+        got = bsrkit.bsr_dense_addmm(inp, bsr, x, **kwargs)
+        want = reference.bsr_dense_addmm(inp, bsr, x, **kwargs)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want)

@@ -122,8 +122,14 @@ def addmm(
         return _int8_addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
     if scaled:
         # Form the product, then scale it: inf * 0 is NaN wherever the product is 0 (empty rows
-        # included), as the formula says (a gemm may scale an operand instead).
-        product = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        # included), as the formula says (a gemm may scale an operand instead). Half types form it in
+        # float32 (the accumulator's dtype): a product beyond their range that the scales bring back
+        # into it must not be rounded to inf first.
+        if out.dtype in (torch.float16, torch.bfloat16):
+            if a is not None:
+                a = a._replace(values=a.values.float())
+            dense = dense.float()
+        product = torch.empty(out.shape, dtype=dense.dtype, device=out.device)
         addmm(op, backend, None, a, dense, product, batch, 0.0, 1.0, meta)
         _scale_product(product, alpha, left, right)
         if input is None or beta == 0:
@@ -305,7 +311,9 @@ def _int8_addmm(
     _scale_product(result, alpha, left, right)
     if input is not None and beta != 0:
         result.add_(input.to(torch.float64).expand(out.shape), alpha=beta)
-    return out.copy_(result.round_())
+    # (through int64: a result beyond int32 wraps around as torch's int32 arithmetic does; a float64
+    # cast straight to int32 saturates to its most negative value on x86)
+    return out.copy_(result.round_().to(torch.int64))
 
 
 def _scale_input_into(out: torch.Tensor, input: torch.Tensor, beta: float) -> None:

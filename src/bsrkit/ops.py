@@ -350,6 +350,12 @@ def _validate_addmm(
     out_dtype = torch.int32 if integer else dense.dtype
     if integer and not (beta.is_integer() and alpha.is_integer()):
         raise ValueError(f"{op}(): expected integer beta and alpha for int8 products, got {beta} and {alpha}")
+    if integer and differentiable:  # (only a float scale can require grad here)
+        name = "left_alpha" if left is not None and left.requires_grad else "right_alpha"
+        raise ValueError(
+            f"{op}(): expected {name} not to require grad in an int8 product (its exact int32 result "
+            "cannot carry a gradient), got one that does: detach it, or scale a float product"
+        )
     # (int8 products run on the float kernels: see dispatch.int8_compute_dtype)
     backend = dispatch.select(op, "addmm", bsr.device, torch.float32 if integer else bsr.dtype)
     M, K = bsr.shape[-2:]
@@ -366,6 +372,8 @@ def _validate_addmm(
         check_strided(op, name, scale, min_ndim=1)
         if not integer:
             check_same_dtype(op, name, scale, dense_name, dense)
+        elif scale.is_complex() or scale.dtype is torch.bool:
+            check_dtype(op, name, scale, _INT8_SCALE_DTYPES)
         check_same_device(op, name, scale, dense_name, dense)
         try:
             ok = torch.broadcast_shapes(scale.shape, (*batch, extent)) == (*batch, extent)
@@ -402,6 +410,12 @@ def _validate_addmm(
 
 
 _SAME_DTYPE, _SAME_SHAPE = 1, 2
+
+# What scales an int8 product takes (applied in float64 to the exact product, rounded once).
+_INT8_SCALE_DTYPES = (
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
+    torch.float64,
+)  # fmt: skip
 
 # The dense operand's name in the public ops that name it otherwise than ``dense`` (as torch's do).
 _DENSE_NAMES = {"bsr_scatter_mm": "other"}

@@ -62,9 +62,31 @@ def bsr_to_dense(bsr: torch.Tensor) -> torch.Tensor:
     return dense.reshape(*batch, M, K)
 
 
-def bsr_dense_mm(bsr: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+def _stored_product(bsr: torch.Tensor, dense: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """``bsr @ dense`` (``bsr.mT @ dense``) in float64 over the stored blocks only: a non-finite entry of
+    ``dense`` meets no unstored block (a masked dense product would give 0 * inf = NaN there, where the
+    products, as torch's BSR product, give what the stored blocks give)."""
     a = bsr_to_dense(bsr).double()
-    return torch.matmul(a, dense.double()).to(dense.dtype)
+    a = a.mT if transposed else a
+    d = dense.double()
+    if bool(torch.isfinite(d).all()):
+        return torch.matmul(a, d)
+    stored = block_mask(bsr)
+    stored = stored.mT if transposed else stored
+    terms = a.unsqueeze(-1) * d.unsqueeze(-3)  # (..., M, K, N)
+    return torch.where(stored.unsqueeze(-1), terms, 0.0).sum(-2)
+
+
+def _to_result(product: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 product in the result's dtype: int8 operands give int32, exact and wrapping around
+    as torch's int32 arithmetic does (through int64)."""
+    if dtype is torch.int8:
+        return product.round().to(torch.int64).to(torch.int32)
+    return product.to(dtype)
+
+
+def bsr_dense_mm(bsr: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    return _to_result(_stored_product(bsr, dense), dense.dtype)
 
 
 def bsr_dense_addmm(
@@ -79,14 +101,14 @@ def bsr_dense_addmm(
 ) -> torch.Tensor:
     """``beta * input + left_alpha[..., :, None] * (alpha * bsr @ dense) * right_alpha[..., None, :]``,
     in float64; int8 operands give int32 (exact)."""
-    prod = alpha * torch.matmul(bsr_to_dense(bsr).double(), dense.double())
+    prod = alpha * _stored_product(bsr, dense)
     if left_alpha is not None:
         prod = prod * left_alpha.double().unsqueeze(-1)
     if right_alpha is not None:
         prod = prod * right_alpha.double().unsqueeze(-2)
     if beta != 0:
         prod = prod + beta * input.double()
-    return prod.round().to(torch.int32) if dense.dtype is torch.int8 else prod.to(dense.dtype)
+    return _to_result(prod, dense.dtype)
 
 
 def bsr_scatter_mm(bsr: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -141,7 +163,7 @@ def scatter_mm(
 
 
 def bsr_transposed_dense_mm(bsr: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    return torch.matmul(bsr_to_dense(bsr).double().mT, dense.double()).to(dense.dtype)
+    return _to_result(_stored_product(bsr, dense, transposed=True), dense.dtype)
 
 
 def block_mask(bsr: torch.Tensor) -> torch.Tensor:
@@ -214,4 +236,10 @@ def scaled_dot_product_attention(
     weights = torch.softmax(scores, dim=-1) * nonempty
     if dropout_keep is not None:
         weights = torch.where(dropout_keep, weights / (1 - dropout_p), 0.0)
-    return weights @ value
+    if bool(torch.isfinite(value).all()):
+        return weights @ value
+    # (a non-finite value reaches the rows whose stored blocks hold its key, weighed by an exact 0 where
+    # excluded, and no other row: a dense product would spread 0 * inf = NaN to every row)
+    stored = block_mask(attn_mask)
+    terms = weights.unsqueeze(-1) * value.unsqueeze(-3)  # (..., L, S, Ev)
+    return torch.where(stored.unsqueeze(-1), terms, torch.zeros((), dtype=terms.dtype)).sum(-2)
