@@ -1,0 +1,123 @@
+"""A memoized call's arguments as one key (for :func:`bsrkit.cache.weak_lru_cache`).
+
+Tensors become :class:`~bsrkit.keys.TensorKey` s (memory identity; their version counters are returned
+beside the key), scalars are keyed with their type (and a float's sign: ``2``, ``2.0``, ``True``, ``0.0``
+and ``-0.0`` are five keys, as they are five calls), other hashable values as they are. An inference
+tensor (no version counter: an in-place change could not be seen) makes the call uncacheable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from bsrkit.keys import TensorKey
+
+__all__ = ["UNCACHEABLE", "Uncacheable", "make_key"]
+
+
+class Uncacheable(Exception):
+    """An argument whose in-place changes cannot be seen (an inference tensor: no version counter)."""
+
+
+UNCACHEABLE: Any = object()
+
+
+def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) -> Any:
+    """``value`` as a key component. ``name`` (an index or keyword) only serves the error message."""
+    if isinstance(value, torch.Tensor):
+        if value.is_inference():
+            raise Uncacheable
+        k = _tensor_key(value, name)
+        keys.append(k)
+        version.extend(k.version)
+        return k
+    if type(value) in _SCALARS:
+        return _scalar_part(value)
+    if isinstance(value, tuple):
+        return tuple(_key_part(v, (name, i), keys, version) for i, v in enumerate(value))
+    try:
+        hash(value)
+    except TypeError:
+        raise TypeError(
+            f"weak_lru_cache: argument {_describe(name)} must be a tensor or hashable, "
+            f"got unhashable {type(value).__name__}"
+        ) from None
+    return value
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+def _scalar_part(value: Any) -> Any:
+    """A scalar as a key component that equals another only for the same call: ``2``, ``2.0`` and
+    ``True`` are equal in Python but not to a function (``t * 2.0`` is a float tensor), nor are ``0.0``
+    and ``-0.0`` (``1 / -0.0``)."""
+    kind = type(value)
+    if kind is float:
+        return (float, value, math.copysign(1.0, value))
+    if kind is int or kind is bool:
+        return (kind, value)
+    return value
+
+
+def _tensor_key(t: torch.Tensor, name: Any) -> TensorKey:
+    """``TensorKey(t)``; a tensor it cannot key (a COO, nested or mkldnn tensor) is a ``TypeError`` naming
+    the argument."""
+    try:
+        return TensorKey(t)
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"weak_lru_cache: argument {_describe(name)}: {exc}") from None
+
+
+def _describe(name: Any) -> str:
+    """'#0', "'scale'", or '#1[2]' for an item inside a tuple argument."""
+    path = []
+    while isinstance(name, tuple):
+        name, index = name
+        path.append(f"[{index}]")
+    head = f"#{name}" if isinstance(name, int) else repr(name)
+    return head + "".join(reversed(path))
+
+
+_KWARGS_MARK = object()
+
+
+def make_key(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Hashable, list[TensorKey], tuple[int, ...]]:
+    """(key, the TensorKeys in it, their versions); the key is ``UNCACHEABLE`` for inference tensors."""
+    keys: list[TensorKey] = []
+    version: list[int] = []
+    parts: list[Any] = []
+    try:
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and not a.is_inference():  # common cases first
+                k = _tensor_key(a, i)
+                keys.append(k)
+                version += k.version
+                parts.append(k)
+            elif type(a) in _SCALARS:
+                parts.append(_scalar_part(a))
+            elif type(a) is TensorKey:  # built by the caller, who holds its tensor
+                t = a.obj
+                if t is None:
+                    raise ValueError(f"weak_lru_cache: argument #{i} is the TensorKey of a dead tensor")
+                if t.is_inference():
+                    raise Uncacheable
+                keys.append(a)
+                version += a.version
+                parts.append(a)
+            else:
+                parts.append(_key_part(a, i, keys, version))
+        if kwargs:
+            parts.append(_KWARGS_MARK)
+            for name in sorted(kwargs):
+                parts.append(name)
+                parts.append(_key_part(kwargs[name], name, keys, version))
+    except Uncacheable:
+        return UNCACHEABLE, keys, ()
+    return tuple(parts), keys, tuple(version)
