@@ -176,3 +176,62 @@ def test_half_type_defaults_take_the_flat_loop():
     }
     sampled = triton_backend.complete_params("sampled", torch.bfloat16, (64, 64, 64), (64, 64), {})
     assert sampled["FLAT_LOOP"] == 0 and sampled["BLOCK_K"] == 32
+
+
+def test_scatter_mm_index_tensors_with_strides_are_read_by_position():
+    """The kernels index the 1-D index tensors by position: a strided one (validated by its values) was
+    read as if contiguous (wrong results, out-of-bounds reads)."""
+    blocks, others = torch.randn(5, 4, 3), torch.randn(6, 3, 2)
+    c = torch.tensor([0, 2, 2, 5])
+    pq = torch.tensor([[0, 1], [4, 5], [1, 0], [2, 2], [3, 3]])
+    acc = torch.zeros(3, 4, 2)
+    expected = reference.scatter_mm(blocks, others, ("scatter_mm", c, pq), acc)
+    strided = torch.stack([c, torch.full_like(c, 10**9)], 1)[:, 0]  # the same values, stride (2,)
+    got = bsrkit.scatter_mm(blocks, others, ("scatter_mm", strided, pq), accumulators=acc.clone())
+    assert_close(got, expected, k=3)
+    bsr, other = random_bsr((32, 32), (8, 8), 0.5), torch.randn(32, 16)
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, "bsr_strided_mm_compressed")
+    spread = tuple(torch.stack([t, t], -1)[..., 0] if isinstance(t, torch.Tensor) else t for t in data)
+    assert_close(bsrkit.bsr_scatter_mm(bsr, other, spread), reference.bsr_scatter_mm(bsr, other), k=32)
+
+
+def test_scatter_mm_accumulators_aliasing_an_input_take_the_torch_primitives():
+    """accumulators = others (an in-place update): a kernel would read tiles it already wrote; as on
+    the CPU backend, the torch primitives form every product before adding. Self-overlapping
+    accumulators are refused, as there."""
+    blocks, x0 = torch.randn(4, 4, 4), torch.randn(3, 4, 4)
+    data = ("scatter_mm", torch.tensor([0, 2, 3, 5]), torch.tensor([[0, 1], [1, 2], [2, 0], [3, 1], [0, 0]]))
+    expected = reference.scatter_mm(blocks, x0, data, x0)
+    x = x0.clone()
+    bsrkit.scatter_mm(blocks, x, data, accumulators=x)
+    assert_close(x, expected, k=4)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        bsrkit.scatter_mm(blocks, x0, data, accumulators=torch.zeros(1, 4, 4).expand(3, 4, 4))
+
+
+def test_float32_products_follow_torchs_new_tf32_setting(monkeypatch):
+    """torch >= 2.9 raises on reading the legacy allow_tf32 once fp32_precision was set (transformers'
+    enable_tf32 sets it): every float32 Triton product failed."""
+    from bsrkit.backends.triton import kernels
+
+    if getattr(torch.backends.cuda.matmul, "fp32_precision", None) is None:
+        pytest.skip("no fp32_precision in this torch")
+    before = (torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
+    try:
+        torch.backends.fp32_precision = "tf32"
+        assert kernels.dot_precision(torch.float32) == "tf32"
+        bsr, x = random_bsr((32, 32), (16, 16), 0.5), torch.randn(32, 8)
+        bsrkit.bsr_dense_mm(bsr, x)  # (no RuntimeError; the interpreter's dot is exact either way)
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        assert kernels.dot_precision(torch.float32) == "ieee"
+    finally:
+        torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = before
+    assert kernels.dot_precision(torch.float64) == "ieee"
+
+
+def test_num_warps_must_be_a_power_of_two_and_bfloat16_is_refused_on_cpu():
+    bsr, x = random_bsr((32, 32), (16, 16), 0.5), torch.randn(32, 8)
+    with pytest.raises(ValueError, match=r"expected meta\['num_warps'\] to be a power of two in \[1, 32\]"):
+        bsrkit.bsr_dense_mm(bsr, x, meta={"num_warps": 3})
+    with pytest.raises(ValueError, match="has no bfloat16 on CPU tensors"):
+        bsrkit.bsr_dense_mm(bsr.to(torch.bfloat16), x.to(torch.bfloat16))

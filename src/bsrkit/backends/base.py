@@ -31,6 +31,7 @@ __all__ = [
     "fused_attention",
     "int_at_least_one",
     "power_of_two_at_least_16",
+    "power_of_two_warps",
     "zero_or_one",
 ]
 
@@ -56,6 +57,9 @@ def _is_int(v: Any) -> bool:
 
 int_at_least_one = ParamSpec(lambda v: _is_int(v) and v >= 1, "an int >= 1")
 zero_or_one = ParamSpec(lambda v: _is_int(v) and v in (0, 1), "0 or 1")
+power_of_two_warps = ParamSpec(
+    lambda v: _is_int(v) and 1 <= v <= 32 and not v & (v - 1), "a power of two in [1, 32] (Triton's warps)"
+)
 power_of_two_at_least_16 = ParamSpec(
     lambda v: _is_int(v) and v >= 16 and not v & (v - 1), "a power of two >= 16"
 )

@@ -14,7 +14,15 @@ import torch
 if TYPE_CHECKING:
     from bsrkit.operand import Operand
 
-__all__ = ["as_3d", "block_coordinates", "bsr_batch_of", "flatten_addmm", "flatten_strided_scatter"]
+__all__ = [
+    "as_3d",
+    "block_coordinates",
+    "bsr_batch_of",
+    "flatten_addmm",
+    "flatten_strided_scatter",
+    "needs_torch_scatter",
+    "non_overlapping",
+]
 
 
 def as_3d(t: torch.Tensor, shape: tuple[int, int, int]) -> tuple[torch.Tensor, bool]:
@@ -82,3 +90,25 @@ def bsr_batch_of(bsr_batch: torch.Size, batch: torch.Size) -> np.ndarray:
     return np.ascontiguousarray(
         np.broadcast_to(np.arange(n_bsr, dtype=np.int64).reshape(bsr_batch), batch).reshape(-1)
     )
+
+
+def non_overlapping(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory (a sufficient test: sorted by stride, each
+    dimension steps past everything the smaller ones span)."""
+    span = 0
+    for stride, size in sorted((abs(st), s) for s, st in zip(t.shape, t.stride(), strict=True) if s > 1):
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
+def needs_torch_scatter(blocks: torch.Tensor, others: torch.Tensor, accumulators: torch.Tensor) -> bool:
+    """Whether ``scatter_mm`` must take the torch primitives (on every backend whose kernel writes the
+    accumulators while it reads the operands): accumulators whose elements share memory
+    (torch refuses to write them), or that share memory with an input (the kernel would read what it
+    writes; the primitives compute every product before adding)."""
+    if not non_overlapping(accumulators):
+        return True
+    acc_storage = accumulators.untyped_storage().data_ptr()
+    return acc_storage in (blocks.untyped_storage().data_ptr(), others.untyped_storage().data_ptr())

@@ -24,7 +24,7 @@ import bsrkit.backends.cpu.planning as planning
 import bsrkit.backends.cpu.running as running
 import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit.backends.base import ParamSpec, int_at_least_one
-from bsrkit.backends.batching import block_coordinates, bsr_batch_of
+from bsrkit.backends.batching import block_coordinates, bsr_batch_of, needs_torch_scatter
 from bsrkit.backends.torch_ops import TorchBackend
 
 if TYPE_CHECKING:
@@ -150,17 +150,6 @@ def cpu_device_name() -> str:
 _TORCH = TorchBackend()
 
 
-def _non_overlapping(t: torch.Tensor) -> bool:
-    """Whether no two elements of ``t`` share memory (a sufficient test: sorted by stride, each
-    dimension steps past everything the smaller ones span)."""
-    span = 0
-    for stride, size in sorted((abs(st), s) for s, st in zip(t.shape, t.stride(), strict=True) if s > 1):
-        if stride <= span:
-            return False
-        span += (size - 1) * stride
-    return True
-
-
 def _tiled_stacks(others: torch.Tensor, accumulators: torch.Tensor) -> bool:
     """Whether ``others (B, KB, NB, Ks, Ns)`` and ``accumulators (B, MB, NB, Ms, Ns)`` are the tiles of
     batched ``(KB * Ks, NB * Ns)`` and ``(MB * Ms, NB * Ns)`` matrices (``bsr_scatter_mm``'s views):
@@ -177,16 +166,6 @@ def _untiled(t: torch.Tensor) -> torch.Tensor:
     """The ``(B, R * rows, C * cols)`` matrices whose tiles a :func:`_tiled_stacks` operand views."""
     B, R, C, rows, cols = t.shape
     return t.as_strided((B, R * rows, C * cols), (t.stride(0), t.stride(3), t.stride(4)), t.storage_offset())
-
-
-def _needs_torch_scatter(blocks: torch.Tensor, others: torch.Tensor, accumulators: torch.Tensor) -> bool:
-    """Whether ``scatter_mm`` must take the torch primitives: accumulators whose elements share memory
-    (torch refuses to write them), or that share memory with an input (the kernel would read what it
-    writes; the primitives compute every product before adding)."""
-    if not _non_overlapping(accumulators):
-        return True
-    acc_storage = accumulators.untyped_storage().data_ptr()
-    return acc_storage in (blocks.untyped_storage().data_ptr(), others.untyped_storage().data_ptr())
 
 
 def _addmm_small(
@@ -406,7 +385,7 @@ class CpuBackend:
         overwrite: bool = False,
     ) -> None:
         """The compiled tile loop over the indices data's gemm list (:func:`planning.cpu_scatter_plan`)."""
-        if _needs_torch_scatter(blocks, others, accumulators):
+        if needs_torch_scatter(blocks, others, accumulators):
             _TORCH.scatter_mm(blocks, others, indices_data, accumulators, params, overwrite)
             return
         kernel = kernels.scatter_mm_kernel()

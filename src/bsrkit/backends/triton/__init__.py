@@ -16,12 +16,19 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from bsrkit.backends.base import ParamSpec, int_at_least_one, power_of_two_at_least_16, zero_or_one
+from bsrkit.backends.base import (
+    ParamSpec,
+    int_at_least_one,
+    power_of_two_at_least_16,
+    power_of_two_warps,
+    zero_or_one,
+)
 from bsrkit.backends.batching import (
     block_coordinates,
     flatten_addmm,
     flatten_scatter_stacks,
     flatten_strided_scatter,
+    needs_torch_scatter,
 )
 from bsrkit.backends.triton.tiles import clamped_tiles
 
@@ -51,7 +58,7 @@ class TritonBackend:
         "BLOCK_M": power_of_two_at_least_16,
         "BLOCK_K": power_of_two_at_least_16,
         "BLOCK_N": power_of_two_at_least_16,
-        "num_warps": int_at_least_one,
+        "num_warps": power_of_two_warps,
         "num_stages": int_at_least_one,
         # bsr @ dense only: one software-pipelined loop over (block, k-chunk) pairs instead of a loop over
         # k-chunks nested in a loop over blocks (see kernels._row_product_flat).
@@ -68,6 +75,8 @@ class TritonBackend:
             return ["needs the triton package (bsrkit[triton])"]
         if device.type == "cpu" and not interpreting():
             return ["on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)"]
+        if device.type == "cpu" and dtype is torch.bfloat16:
+            return ["has no bfloat16 on CPU tensors (Triton's interpreter computes bfloat16 dots wrongly)"]
         if device.type not in ("cpu", "cuda"):
             return [f"needs CUDA tensors, got device {device}"]
         return []
@@ -168,8 +177,16 @@ class TritonBackend:
         params: dict[str, Any],
         overwrite: bool = False,
     ) -> None:
+        from bsrkit.backends.torch_ops import TorchBackend
         from bsrkit.backends.triton import kernels
 
+        if needs_torch_scatter(blocks, others, accumulators):
+            TorchBackend().scatter_mm(blocks, others, indices_data, accumulators, params, overwrite)
+            return
+        # (the kernels index the 1-D index tensors by position: unit strides)
+        indices_data = tuple(
+            t.contiguous() if isinstance(t, torch.Tensor) and t.ndim == 1 else t for t in indices_data
+        )
         if overwrite:
             accumulators.zero_()
         if indices_data[0] == "scatter_mm":

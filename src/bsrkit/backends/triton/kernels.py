@@ -7,7 +7,7 @@
   tile are cut into ``BLOCK_M`` row tiles (one program each) and ``BLOCK_K`` chunks (a loop), so any
   block shape compiles within the GPU's registers and shared memory;
 * accumulation is float32 for half types, float64 for float64 (``_ACC``); float32 products use IEEE
-  precision unless ``torch.backends.cuda.matmul.allow_tf32`` is set, as ``torch.mm`` does;
+  precision unless torch allows TF32 for matmuls (:func:`tf32_allowed`), as ``torch.mm`` does;
 * grids are 1-D (dimension 0 allows 2**31 - 1 programs; dimensions 1 and 2 only 65535) and every offset
   is computed in int64, so large and strided operands do not overflow 32-bit index arithmetic;
 * ``alpha`` is a float64 argument (a plain Python float would be passed as float32).
@@ -39,9 +39,22 @@ _ACC = {
 
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: TF32 for float32 only when torch allows it for matmuls (as torch.mm)."""
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and tf32_allowed():
         return "tf32"
     return "ieee"
+
+
+def tf32_allowed() -> bool:
+    """Whether torch lets float32 matmuls use TF32. torch >= 2.9 says it in ``fp32_precision`` (the
+    matmul's, or where that is ``"none"`` the global one); reading the legacy ``allow_tf32`` after the
+    new API was used raises a ``RuntimeError`` there, so it is read only where the new API is absent."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is None:
+        return bool(matmul.allow_tf32)
+    if precision == "none":
+        precision = getattr(torch.backends, "fp32_precision", "none")
+    return precision == "tf32"
 
 
 def _launch(
