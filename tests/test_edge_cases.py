@@ -69,4 +69,3 @@ def test_non_finite_alpha_gives_the_formula_on_every_backend(backend, alpha, bet
         expected = _addmm_as_written(inp, a.to_dense(), x, beta, alpha)
         got = bsrkit.bsr_dense_addmm(inp, a, x, beta=beta, alpha=alpha)
         torch.testing.assert_close(got, expected, equal_nan=True)
-

@@ -623,6 +623,17 @@ def test_a_clipped_gradient_norm_is_the_same_masked_dense_or_block_sparse():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def _step_then_prune(model, opt, pruner, step):
+    """One training step on batch ``step``, then the pruner's; returns the masks before the pruner's."""
+    x, y = _batch(step)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    before = pruner.masks()
+    pruner.step()
+    return before
+
+
 def test_regrowth_of_a_masked_dense_layer_grows_by_its_dense_gradient():
     """The removed blocks' gradient is zero once masked, but regrowth reads the dense gradient: recorded
     before the mask, the layer grows where it is largest (as a block-sparse layer does)."""
@@ -631,12 +642,7 @@ def test_regrowth_of_a_masked_dense_layer_grows_by_its_dense_gradient():
     pruner = _pruner(model, opt, sparse_below=None, regrow=RigL(fraction=0.5, every=2, decay="constant"))
     grown = 0
     for step in range(8):
-        x, y = _batch(step)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        before = pruner.masks()
-        pruner.step()
+        before = _step_then_prune(model, opt, pruner, step)
         grown += sum(int((pruner.masks()[k] & ~before[k]).sum()) for k in before)
     assert not pruner.sparse_layers() and grown > 0
 
@@ -654,12 +660,7 @@ def test_a_regrown_block_starts_from_the_optimizers_own_fresh_state(sparse_below
         pruner = _pruner(model, opt, sparse_below=sparse_below, target_density=0.5, end_step=2,
                          regrow=RigL(fraction=0.5, every=3, until=3, decay="constant"))  # fmt: skip
         for step in range(3):
-            x, y = _batch(step)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            before = pruner.masks()
-            pruner.step()
+            before = _step_then_prune(model, opt, pruner, step)
         after = pruner.masks()
         grown = {k: after[k] & ~before[k] for k in after}
         assert any(g.any() for g in grown.values())
