@@ -731,3 +731,62 @@ def test_a_keep_vars_state_dict_has_its_pattern_checked_too():
         with pytest.raises(ValueError, match="malformed pattern"):
             layer.load_state_dict(state)
         assert torch.equal(layer.to_dense(), source.to_dense())
+
+
+def test_prune_and_parametrize_on_a_layers_tensors_are_honoured():
+    """torch.nn.utils.prune and parametrize move a tensor out of _parameters (forward read it there:
+    a raw KeyError)."""
+    import torch.nn.utils.parametrize as parametrize
+    import torch.nn.utils.prune as prune
+
+    x = torch.randn(3, 64, dtype=torch.float64)
+    for name, apply in (
+        ("values", lambda m: prune.random_unstructured(m, "values", amount=0.3)),
+        ("bias", lambda m: prune.random_unstructured(m, "bias", amount=0.5)),
+        ("bias", lambda m: parametrize.register_parametrization(m, "bias", _Doubled())),
+    ):
+        layer = BSRLinear(64, 32, 16, density=0.5, dtype=torch.float64)
+        apply(layer)
+        want = x @ layer.to_dense().mT + layer.bias
+        torch.testing.assert_close(layer(x), want, msg=name)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), want, msg=name)
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, t):
+        return 2 * t
+
+
+def test_a_layer_made_under_inference_mode_runs_outside_it():
+    with torch.inference_mode():
+        layer = BSRLinear(64, 32, 16, density=0.5)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), x @ layer.to_dense().mT + layer.bias)
+
+
+def test_a_bsr_whose_values_were_given_another_dtype_is_refused_not_misread():
+    """`.data =` or module.half() on the values a BSR was built from leaves the tensor saying one dtype
+    and its values another (torch refuses it; the kernels read the bytes as the tensor's dtype, past
+    their end: a segfault at 4096²)."""
+    crow, col = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    values = torch.randn(2, 16, 16, dtype=torch.float64)
+    bsr = torch.sparse_bsr_tensor(crow, col, values, size=(32, 32))
+    x = torch.randn(32, 4, dtype=torch.float64)
+    bsrkit.bsr_dense_mm(bsr, x)
+    values.data = values.data.float()
+    for call in (lambda: bsrkit.bsr_dense_mm(bsr, x), lambda: bsrkit.bsr_transposed_dense_mm(bsr, x)):
+        with pytest.raises(ValueError, match="its values are torch.float32, the tensor says torch.float64"):
+            call()
+
+
+def test_a_negative_view_given_as_values_is_read_as_its_value():
+    crow, col = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    values = torch.randn(2, 16, 16)
+    bsr = torch.sparse_bsr_tensor(crow, col, values, size=(32, 32))
+    x = torch.randn(32, 4)
+    bsrkit.bsr_dense_mm(bsr, x)
+    values.data = torch._neg_view(torch.randn(2, 16, 16))
+    for _ in range(2):
+        torch.testing.assert_close(bsrkit.bsr_dense_mm(bsr, x), bsr.to_dense() @ x)

@@ -35,7 +35,9 @@ both read). A CPU product with few columns on a kept operand pays only the stora
   version counters say;
 * ``1``: every device is compared on every hit (CUDA: one ``torch.equal``, a host synchronisation);
 * ``0``: nothing is compared (memory identity and version counters only): for measuring what the proof
-  costs; writes that move no version counter can then give stale results.
+  costs; writes that move no version counter the keys see can then give stale results (the keys see a
+  BSR tensor's own counter, not those of the tensors it was built from, a ``BSRLinear``'s buffers
+  among them).
 
 Meta and fake tensors hold no data: they have nothing to compare.
 """

@@ -138,7 +138,9 @@ class TensorKey:
                 id(ps), p.storage_offset(), p.shape, p.stride(), p.dtype,
             )  # fmt: skip
             self._anchors = (_ref(cs), _ref(ps))
-            self.version = () if tensor.is_inference() else (c._version, p._version)
+            # (members made under inference mode have no counter, even in a wrapper made outside it)
+            inference = tensor.is_inference() or c.is_inference() or p.is_inference()
+            self.version = () if inference else (c._version, p._version)
         self._ref = _ref(tensor)
         self._hash = hash(self._identity)
 

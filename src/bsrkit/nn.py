@@ -3,7 +3,10 @@
 The block values are the parameter (``values``, shape ``(nnz, bo, bi)``); the pattern lives in two
 buffers (``crow_indices``, ``col_indices``), so plans are cached for as long as the layer lives and are
 recomputed whenever the pattern changes, whatever writes the buffers (``load_state_dict``, a DDP buffer
-broadcast, an in-place pruning step): every plan hit compares the index data. Forward and backward run the
+broadcast, an in-place pruning step): on CPU every plan hit compares the index data. On CUDA a hit
+compares nothing by default (it would synchronise): ``load_state_dict`` gives the buffers new memory and
+is seen; a write in place into them is seen under ``BSRKIT_CHECK_PLANS=1`` (see
+:mod:`bsrkit.freshness`). Forward and backward run the
 ``bsrkit::linear`` / ``bsrkit::sampled_mm`` custom ops, which ``torch.compile`` can trace; where no
 gradient is needed (``torch.no_grad``, inference, frozen weights) an eager forward calls the product
 directly. The output is row-major, as ``nn.Linear``'s.
@@ -159,15 +162,22 @@ class BSRLinear(nn.Module):
             bad = True
         if bad:
             self._refuse(x)
-        # (the tables Module.__getattr__ would search: 0.1 µs a read instead of 0.8, on every decode step)
+        # (the tables Module.__getattr__ would search: 0.1 µs a read instead of 0.8, on every decode step;
+        # the attribute where torch.nn.utils.prune or parametrize moved one out of them)
         params, buffers = self._parameters, self._buffers
-        values, bias = params["values"], params["bias"]
+        values, bias = params.get("values"), params.get("bias")
+        if values is None:
+            values = self.values
+        if bias is None and "bias" not in params:
+            bias = self.bias
         assert values is not None
         if x.dtype is not values.dtype or (bias is not None and bias.dtype is not values.dtype):
             check_operand_dtypes("BSRLinear.forward", "x", x, "values", values)
             if bias is not None:  # (as F.linear: one dtype for the three)
                 check_operand_dtypes("BSRLinear.forward", "bias", bias, "values", values)
-        crow, col = buffers["crow_indices"], buffers["col_indices"]
+        crow, col = buffers.get("crow_indices"), buffers.get("col_indices")
+        if crow is None or col is None:
+            crow, col = self.crow_indices, self.col_indices
         assert crow is not None and col is not None
         M, K = self.out_features, self.in_features
         if _needs_grad(x, values, bias):

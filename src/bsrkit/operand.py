@@ -71,8 +71,29 @@ class Operand(NamedTuple):
             return kept
         M, K = bsr.shape[-2:]
         version = None if bsr.is_inference() else bsr._version  # (read first: a change since is a miss)
-        # (values() is a view whose base is bsr: the kept operand holds it detached, or bsr would never die)
-        crow, col, values = bsr.crow_indices(), bsr.col_indices(), bsr.values().detach()
+        try:
+            # (values() is a view whose base is bsr: the kept operand holds it detached, or bsr would
+            # never die)
+            crow, col, values = bsr.crow_indices(), bsr.col_indices(), bsr.values().detach()
+        except RuntimeError as exc:
+            if "inference tensor" not in str(exc):
+                raise
+            # (torch's accessors cannot view members made under inference mode from a wrapper made
+            # outside it; a BSRLinear's own wrapper is made to match its parts, see kept_weight)
+            raise ValueError(
+                f"{op}(): expected {name}'s index and value tensors to be inference tensors only if it is "
+                "one (torch cannot view them from it): build it inside torch.inference_mode() too, or "
+                "from tensors made outside"
+            ) from None
+        if values.dtype != bsr.dtype:
+            # (a member given another dtype: `.data =` or module.half() on the tensor it was built from;
+            # the kernels would read its bytes as the tensor's dtype, past their end)
+            raise ValueError(
+                f"{op}(): malformed {name}: its values are {values.dtype}, the tensor says {bsr.dtype} (its "
+                "values were given another dtype after it was built: build it again)"
+            )
+        if values.is_neg():  # (the kernels read memory: a negative view is read as its negation)
+            version, values = None, values.resolve_neg()  # (a copy: not kept, resolved again next call)
         # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).
         a = cls.parts(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)), op, name)
         if version is not None:

@@ -199,7 +199,7 @@ def _member_layout(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor) 
     return (
         crow.data_ptr(), crow.shape, crow.stride(),
         col.data_ptr(), col.shape, col.stride(),
-        values.data_ptr(), values.shape, values.stride(),
+        values.data_ptr(), values.shape, values.stride(), values.dtype, values.is_neg(),
     )  # fmt: skip
 
 
@@ -299,7 +299,13 @@ def kept_weight(
     ):
         _counts[7] += 1
         return seen[4], seen[5]
-    bsr = torch.sparse_bsr_tensor(crow, col, values.detach(), size=size, check_invariants=False)
+    if crow.is_inference() or col.is_inference() or values.is_inference():
+        # (parts made under inference mode, e.g. a layer loaded there: a wrapper made outside it could
+        # not view them, so it is an inference tensor too, whose accessors work anywhere)
+        with torch.inference_mode():
+            bsr = torch.sparse_bsr_tensor(crow, col, values.detach(), size=size, check_invariants=False)
+    else:
+        bsr = torch.sparse_bsr_tensor(crow, col, values.detach(), size=size, check_invariants=False)
     calls: dict[Any, WeightCall] = {}
     if not values.is_inference():  # (an inference tensor takes no weak reference)
         forget = functools.partial(_weights.pop, id(values))  # called as pop(id, ref): see keep_operand
