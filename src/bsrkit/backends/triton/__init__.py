@@ -75,7 +75,7 @@ class TritonBackend:
             return ["needs the triton package (bsrkit[triton])"]
         if device.type == "cpu" and not interpreting():
             return ["on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)"]
-        if device.type == "cpu" and dtype is torch.bfloat16:
+        if device.type == "cpu" and dtype is torch.bfloat16 and kernel != "softmax":
             return ["has no bfloat16 on CPU tensors (Triton's interpreter computes bfloat16 dots wrongly)"]
         if device.type not in ("cpu", "cuda"):
             return [f"needs CUDA tensors, got device {device}"]
