@@ -334,3 +334,15 @@ def test_demo_on_one_thread_says_its_kernel_came_from_the_disk_cache():
     run_python(argv, env=env, timeout=300)  # (compiles, or loads, the serial loop)
     out = run_python(argv, env=env, timeout=300).stdout
     assert "kernel loaded from the on-disk kernel cache" in out, out
+
+
+def test_tune_times_a_weight_with_blocks_even_on_a_tiny_grid(tmp_path, monkeypatch):
+    """A random draw at density 0.1 of one block stored none: tune timed an empty product."""
+    from bsrkit import cli
+
+    monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "t.json"))
+    seen = []
+    real = cli._tune_shape
+    monkeypatch.setattr(cli, "_tune_shape", lambda bsrs, *a: seen.append(bsrs[0]._nnz()) or real(bsrs, *a))
+    assert main(["tune", "--shapes", "16x16x1,64x64x4", "--blocksizes", "16", "--threads", "1"]) == 0
+    assert seen == [1, 2]  # (at least one block; else 10% of 16, rounded)

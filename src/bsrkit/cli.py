@@ -392,7 +392,12 @@ def _tune(args: argparse.Namespace) -> int:
     jobs = [(shape, bs) for shape in shapes for bs in args.blocksizes]
     g = torch.Generator().manual_seed(0)
     for (M, K, N), (Ms, Ks) in tqdm(jobs, desc="bsrkit tune", unit="shape", file=sys.stderr):
-        mask = torch.rand((M // Ms, K // Ks), generator=g) < args.density
+        # (exactly the density's share of blocks, at least one: a draw of none timed a product that
+        # computes nothing, and stored its noise)
+        grid = (M // Ms) * (K // Ks)
+        mask = torch.zeros(grid, dtype=torch.bool)
+        mask[torch.randperm(grid, generator=g)[: max(1, round(args.density * grid))]] = True
+        mask = mask.reshape(M // Ms, K // Ks)
         full = mask.repeat_interleave(Ms, 0).repeat_interleave(Ks, 1)
         bsr = (torch.randn((M, K), generator=g) * full).to(dtype).to_sparse_bsr((Ms, Ks)).to(device)
         x = torch.randn((K, N), generator=g).to(dtype).to(device)
