@@ -499,3 +499,18 @@ def test_a_float_mask_that_requires_grad_is_refused_under_grad_mode():
         bsrkit.scaled_dot_product_attention(q, q, q, mask)
     with torch.no_grad():  # (nothing is recorded: allowed)
         bsrkit.scaled_dot_product_attention(q, q, q, mask)
+
+
+def test_the_cpu_loops_leave_the_callers_tensors_resizable():
+    """torch marks a storage numpy views non-resizable for ever: the loops' arrays of the caller's own
+    q, k, v (and a softmax's values) must not be made with .numpy() (a KV cache grown with resize_ then
+    failed)."""
+    mask = bsrkit.sliding_window_mask(32, 8, 8)
+    q, k, v = (torch.randn(32, 8, requires_grad=True) for _ in range(3))
+    bsrkit.scaled_dot_product_attention(q, k, v, mask).sum().backward()
+    values = torch.randn(mask._nnz(), 8, 8)
+    bsr = torch.sparse_bsr_tensor(mask.crow_indices(), mask.col_indices(), values, size=mask.shape)
+    bsrkit.bsr_softmax(bsr)
+    with torch.no_grad():
+        for t in (q, k, v, values):
+            t.detach().resize_(t.numel() + 64)

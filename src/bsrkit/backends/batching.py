@@ -6,7 +6,7 @@ Broadcast batch dimensions become stride-0 views; copies are made only where no 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ __all__ = [
     "bsr_batch_of",
     "flatten_addmm",
     "flatten_strided_scatter",
+    "host_array",
     "needs_torch_scatter",
     "non_overlapping",
 ]
@@ -112,3 +113,34 @@ def needs_torch_scatter(blocks: torch.Tensor, others: torch.Tensor, accumulators
         return True
     acc_storage = accumulators.untyped_storage().data_ptr()
     return acc_storage in (blocks.untyped_storage().data_ptr(), others.untyped_storage().data_ptr())
+
+
+# The numpy type string of each dtype the loops take.
+_TYPESTRS = {
+    dtype: np.dtype(kind).str
+    for dtype, kind in (
+        (torch.float32, np.float32), (torch.float64, np.float64), (torch.int64, np.int64),
+        (torch.int32, np.int32), (torch.bool, np.bool_),
+    )
+}  # fmt: skip
+
+
+class _ArrayInterface:
+    """A view of memory numpy reads through ``__array_interface__`` (it holds no reference)."""
+
+    __slots__ = ("__array_interface__",)
+    __array_interface__: dict[str, Any]
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """``t.numpy()`` for a contiguous CPU tensor, without its side effect: torch marks every storage that
+    numpy views non-resizable, for ever (a caller's ``resize_`` then fails), and the loops take arrays of
+    the caller's own tensors. An array on ``t``'s memory, valid while the caller holds ``t``."""
+    typestr = _TYPESTRS.get(t.dtype)
+    if typestr is None or not t.is_contiguous():
+        raise ValueError(f"host_array(): expected a contiguous tensor of {sorted(map(str, _TYPESTRS))}")
+    view = _ArrayInterface()
+    view.__array_interface__ = {
+        "data": (t.data_ptr(), False), "shape": tuple(t.shape), "typestr": typestr, "version": 3,
+    }  # fmt: skip
+    return np.asarray(view)

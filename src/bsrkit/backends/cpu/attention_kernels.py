@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import bsrkit.backends.cpu.planning  # noqa: F401  (registers the "cpu_mm" plan its operands derive)
-from bsrkit.backends.batching import bsr_batch_of
+from bsrkit.backends.batching import bsr_batch_of, host_array
 from bsrkit.backends.cpu.blas import mkl_functions
 from bsrkit.loading import import_module
 
@@ -105,7 +105,7 @@ def _bias_arrays(bias: BlockBias, batch: torch.Size, dtype: torch.dtype) -> tupl
     values = bias.values.to(dtype).contiguous()
     if values.shape[0] == 0:
         values = values.new_zeros((1, *values.shape[1:]))
-    return index, values.numpy(), bsr_batch_of(bias.batch, batch)
+    return index, host_array(values), bsr_batch_of(bias.batch, batch)
 
 
 def _flat(t: torch.Tensor, batch: torch.Size, rows: int, cols: int) -> torch.Tensor:
@@ -141,7 +141,7 @@ def forward(
     run(
         loops.attention_forward, nthreads,
         plan.crow, plan.col, *_bias_arrays(bias, batch, dtype),
-        q.numpy(), k.numpy(), v.numpy(), out.numpy(), lse.numpy(),
+        host_array(q), host_array(k), host_array(v), host_array(out), host_array(lse),
         float(scale), Ms, Ns, _width(Ms, Ns, q.element_size(), _FORWARD_CHUNK_BYTES), bounds, nthreads,
         dtype == torch.float64, sgemm, dgemm, set_threads,
     )  # fmt: skip
@@ -187,8 +187,8 @@ def backward(
     run(
         loops.attention_backward, nthreads,
         plan.crow, plan.col, *_bias_arrays(bias, batch, dtype),
-        q.numpy(), k.numpy(), v.numpy(), o.numpy(), do.numpy(), lse2.numpy(),
-        dq.numpy(), dk.numpy(), dv.numpy(), side_k.numpy(), side_v.numpy(), heads,
+        host_array(q), host_array(k), host_array(v), host_array(o), host_array(do), host_array(lse2),
+        host_array(dq), host_array(dk), host_array(dv), host_array(side_k), host_array(side_v), heads,
         float(scale), Ms, Ns, _width(Ms, Ns, q.element_size(), _BACKWARD_CHUNK_BYTES), bounds, nthreads,
         dtype == torch.float64, sgemm, dgemm, set_threads,
     )  # fmt: skip

@@ -24,7 +24,7 @@ import bsrkit.backends.cpu.planning as planning
 import bsrkit.backends.cpu.running as running
 import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit.backends.base import ParamSpec, int_at_least_one
-from bsrkit.backends.batching import block_coordinates, bsr_batch_of, needs_torch_scatter
+from bsrkit.backends.batching import block_coordinates, bsr_batch_of, host_array, needs_torch_scatter
 from bsrkit.backends.torch_ops import TorchBackend
 
 if TYPE_CHECKING:
@@ -477,7 +477,7 @@ class CpuBackend:
         nthreads = max(1, torch.get_num_threads())
         _run(
             kernel, nthreads,
-            crow, x4.numpy(), bias4.numpy(), bias_of, bias is not None, out.numpy(),
+            crow, host_array(x4), host_array(bias4), bias_of, bias is not None, host_array(out),
             zero_empty_rows, compute == torch.float32,
         )  # fmt: skip
         return out.reshape(x.shape).to(x.dtype)
@@ -493,7 +493,7 @@ class CpuBackend:
         out = torch.empty_like(y4)
         crow = a.plan("cpu_mm", 0).crow
         nthreads = max(1, torch.get_num_threads())
-        _run(kernel, nthreads, crow, y4.numpy(), g4.numpy(), out.numpy())
+        _run(kernel, nthreads, crow, host_array(y4), host_array(g4), host_array(out))
         return out.reshape(y.shape).to(y.dtype)
 
     def attention_forward(
