@@ -230,7 +230,7 @@ def test_float32_products_follow_torchs_new_tf32_setting(monkeypatch):
 
 
 def test_num_warps_must_be_a_power_of_two_and_bfloat16_is_refused_on_cpu():
-    bsr, x = random_bsr((32, 32), (16, 16), 0.5), torch.randn(32, 8)
+    bsr, x = torch.ones(32, 32).to_sparse_bsr((16, 16)), torch.randn(32, 8)  # (blocks stored: a product runs)
     with pytest.raises(ValueError, match=r"expected meta\['num_warps'\] to be a power of two in \[1, 32\]"):
         bsrkit.bsr_dense_mm(bsr, x, meta={"num_warps": 3})
     with pytest.raises(ValueError, match="has no bfloat16 on CPU tensors"):
