@@ -14,6 +14,7 @@ pytestmark = pytest.mark.triton
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # (two minutes: the whole prepared GPU run in the interpreter)
 def test_dry_run_checks_tunes_and_times(tmp_path):
     run_python(
         [ROOT / "benchmarks" / "gpu_check.py", "--dry-run", "--out", tmp_path],
