@@ -57,7 +57,7 @@ from torch import nn
 from bsrkit import repattern
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
-from bsrkit.regrow import DenseGradient, RigL, drop_and_grow
+from bsrkit.regrow import DenseGradient, GradientRecord, RigL, drop_and_grow
 from bsrkit.sparsify import break_even_density, check_selected, default_filter
 from bsrkit.validation import check_blocksize, check_density
 
@@ -84,46 +84,34 @@ class _Layer:
     sparse_below: float  # the density below which it trains block-sparse
     kept: int  # mask.sum(), kept on the host (a step that changes no pattern synchronises no device)
     # The gradient hook: a sparse layer's dense gradient for regrowth, or a masked-dense layer's masking
-    capture: DenseGradient | MaskedGradient | None = None
+    capture: GradientRecord | None = None
 
     @property
     def sparse(self) -> bool:
         return isinstance(self.module, BSRLinear)
 
 
-class MaskedGradient:
+class MaskedGradient(GradientRecord):
     r"""A masked-dense layer's gradient: the masked dense model's :math:`\partial L / \partial W = G
     \odot M` (its removed blocks' gradient zero, so that a clipped norm or any other reader of the
     gradient sees what it sees once the layer is stored block-sparse), recording :math:`G` itself over the
-    backward passes run while :attr:`armed` (regrowth grows where it is largest). The same interface as
-    :class:`~bsrkit.regrow.DenseGradient`."""
+    backward passes run while :attr:`armed` (regrowth grows where it is largest), as
+    :class:`~bsrkit.regrow.DenseGradient` records a block-sparse layer's."""
 
     def __init__(self, layer: _Layer, blocksize: tuple[int, int]) -> None:
-        self.armed = False
-        self.total: torch.Tensor | None = None
         self._layer, self._blocksize = layer, blocksize
         self._expanded: tuple[torch.Tensor, torch.Tensor] | None = None  # (mask, its element mask)
-        self._handle = repattern.weight_of(layer.module).register_hook(self._backward)
+        super().__init__(repattern.weight_of(layer.module).register_hook(self._backward))
 
     def _backward(self, grad: torch.Tensor) -> torch.Tensor | None:
-        if self.armed:
-            g = grad.detach()
-            self.total = g.clone() if self.total is None else self.total.add_(g)
+        if self.armed:  # (a copy: autograd may accumulate into the gradient it hands on)
+            self._add(grad.detach().clone())
         layer = self._layer
         if layer.kept == layer.mask.numel():
             return None  # (nothing removed yet: the gradient as it is)
         if self._expanded is None or self._expanded[0] is not layer.mask:
             self._expanded = (layer.mask, ~repattern.expand(layer.mask, self._blocksize))
         return grad.masked_fill(self._expanded[1], 0)
-
-    def take(self) -> torch.Tensor | None:
-        """The gradient recorded since the last call (None: no backward ran while armed), and forget it."""
-        total, self.total = self.total, None
-        return total
-
-    def remove(self) -> None:
-        self._handle.remove()
-        self.armed, self.total, self._expanded = False, None, None
 
 
 class GradualPruner:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DenseGradient", "RigL", "drop_and_grow"]
+__all__ = ["DenseGradient", "GradientRecord", "RigL", "drop_and_grow"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,23 +80,16 @@ def drop_and_grow(
     return new.reshape(mask.shape)
 
 
-class DenseGradient:
-    r"""The dense gradient :math:`\partial L / \partial W = G^T X` of a linear layer (``y = x W^T + b``)
-    over the backward passes run while :attr:`armed` (module docstring)."""
+class GradientRecord:
+    """A layer's weight gradient summed over the backward passes run while :attr:`armed`, recorded by a
+    hook (``_handle``, registered by the subclass): :meth:`take` it, :meth:`remove` the hook."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, handle: Any) -> None:
         self.armed = False
         self.total: torch.Tensor | None = None
-        self._handle = module.register_forward_hook(self._forward)
+        self._handle = handle
 
-    def _forward(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        if self.armed and args and isinstance(output, torch.Tensor) and output.requires_grad:
-            x = args[0].detach()
-            output.register_hook(functools.partial(self._backward, x.reshape(-1, x.shape[-1])))
-
-    def _backward(self, x: torch.Tensor, grad: torch.Tensor) -> None:
-        g = grad.detach().reshape(-1, grad.shape[-1])
-        part = g.mT @ x.to(g.dtype)
+    def _add(self, part: torch.Tensor) -> None:
         self.total = part if self.total is None else self.total.add_(part)
 
     def take(self) -> torch.Tensor | None:
@@ -107,3 +100,20 @@ class DenseGradient:
     def remove(self) -> None:
         self._handle.remove()
         self.armed, self.total = False, None
+
+
+class DenseGradient(GradientRecord):
+    r"""The dense gradient :math:`\partial L / \partial W = G^T X` of a linear layer (``y = x W^T + b``)
+    over the backward passes run while :attr:`armed` (module docstring)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module.register_forward_hook(self._forward))
+
+    def _forward(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+        if self.armed and args and isinstance(output, torch.Tensor) and output.requires_grad:
+            x = args[0].detach()
+            output.register_hook(functools.partial(self._backward, x.reshape(-1, x.shape[-1])))
+
+    def _backward(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+        g = grad.detach().reshape(-1, grad.shape[-1])
+        self._add(g.mT @ x.to(g.dtype))
