@@ -211,7 +211,7 @@ def checked_addmm(
         if signature is not None:
             shortcuts.keep_checked_call(signature, checked)
     differentiable, backend, batch, out_shape, out_dtype, K, out_numel, like_dense = checked
-    if dense.device.type == "meta":  # (shapes only, as torch's ops on meta: no pattern to read)
+    if dense.is_meta:  # (shapes only, as torch's ops on meta: no pattern to read)
         return out if out is not None else torch.empty(out_shape, dtype=out_dtype, device="meta")
     beta, alpha = float(beta), float(alpha)  # (checked real numbers; -0.0 and 0.0 share a checked call)
     # The sparse operand, or None when nothing is stored (no plan is fetched for an empty product).
@@ -500,7 +500,7 @@ def sampled_addmm(
             f"{op}(): expected out=None when an argument requires grad (out= is not differentiable)"
         )
     backend = dispatch.select(op, "sampled", mat1.device, mat1.dtype)
-    if input.device.type == "meta":  # (shapes only, as torch's ops on meta: no pattern to read)
+    if input.is_meta:  # (shapes only, as torch's ops on meta: no pattern to read)
         if out is not None:
             return out
         blocks = input.values().shape[-2:]

@@ -244,13 +244,13 @@ def bsr_scatter_mm(
         and may_share_memory(out, other)
     ):  # (out is written while other is read: shared memory would give a silently wrong result)
         raise ValueError(f"{op}(): expected out not to share memory with other, got overlapping tensors")
+    if indices_data is None:  # (checked_addmm refuses an out on the blocks itself)
+        return checked_addmm(op, None, bsr, other, beta=0.0, alpha=1.0, out=out, meta=None)
     if isinstance(out, torch.Tensor) and out.layout is torch.strided and may_share_memory(out, bsr.values()):
         # (zeroed, then accumulated into, while the blocks are read)
         raise ValueError(
             f"{op}(): expected out not to share memory with bsr's values, got overlapping tensors"
         )
-    if indices_data is None:
-        return checked_addmm(op, None, bsr, other, beta=0.0, alpha=1.0, out=out, meta=None)
     _check_no_grad(op, bsr=bsr, other=other)
     check_strided(op, "other", other)
     check_same_dtype(op, "other", other, "bsr", bsr)

@@ -63,6 +63,7 @@ concurrent calls); :func:`clear` empties every table.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import Any, NamedTuple
@@ -186,8 +187,8 @@ def keep_checked_call(signature: tuple[Any, ...], checked: CheckedCall) -> None:
 #   wrapper was built from, which *are* its members) re-point a member without any counter the wrapper
 #   or its aliases share, and the operand's aliases keep the old memory alive (and unchanged: the snapshot
 #   would pass). So a hit also compares the members' addresses and layouts, read through the accessors
-#   (~2.5 µs: the price of the promise); a kept weight's wrapper skips it (``members_proven``: its parts,
-#   which are its members, were compared by kept_weight in the same call).
+#   (~8 µs of a tiny call: the price of the promise); a kept weight's wrapper skips it
+#   (``members_proven``: its parts, which are its members, were compared by kept_weight in the same call).
 
 # id(wrapper) -> (ref to it, its TensorImpl address, its version, the operand, its pattern's snapshot,
 #                 its members' layout)
@@ -299,12 +300,10 @@ def kept_weight(
     ):
         _counts[7] += 1
         return seen[4], seen[5]
-    if crow.is_inference() or col.is_inference() or values.is_inference():
-        # (parts made under inference mode, e.g. a layer loaded there: a wrapper made outside it could
-        # not view them, so it is an inference tensor too, whose accessors work anywhere)
-        with torch.inference_mode():
-            bsr = torch.sparse_bsr_tensor(crow, col, values.detach(), size=size, check_invariants=False)
-    else:
+    # (parts made under inference mode, e.g. a layer loaded there: a wrapper made outside it could not
+    # view them, so it is an inference tensor too, whose accessors work anywhere)
+    inference = crow.is_inference() or col.is_inference() or values.is_inference()
+    with torch.inference_mode() if inference else contextlib.nullcontext():
         bsr = torch.sparse_bsr_tensor(crow, col, values.detach(), size=size, check_invariants=False)
     calls: dict[Any, WeightCall] = {}
     if not values.is_inference():  # (an inference tensor takes no weak reference)
