@@ -111,15 +111,10 @@ def timed(fn: Callable[[], object], device: torch.device, reps: int = 20) -> flo
 def close(run: Run, label: str, got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, k: int) -> bool:
     """``got`` (any dtype) against the float64 ``ref`` with ``dtype``'s tolerances for k-term sums; NaN
     must sit where ``ref`` has NaN."""
-    got64, ref64 = got.detach().double().cpu(), ref.detach().double().cpu()
-    tol = reference.tolerances(dtype if dtype.is_floating_point else torch.float64, k)
-    ok = got64.shape == ref64.shape and torch.allclose(got64, ref64, equal_nan=True, **tol)
-    if not ok:
-        err = (
-            (got64 - ref64).abs().nan_to_num(math.inf).max().item() if got64.shape == ref64.shape else "shape"
-        )
-        run.fail(f"{label}: max abs err {err} (rtol {tol['rtol']:.1e})")
-    return ok
+    reason = reference.mismatch(got, ref, dtype, k)
+    if reason is not None:
+        run.fail(f"{label}: {reason}")
+    return reason is None
 
 
 def random_bsr(

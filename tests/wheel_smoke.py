@@ -16,8 +16,6 @@ mask = (torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) < 0.3).repe
 dense_w = torch.randn(128, 128) * mask.repeat_interleave(16, 1)
 bsr = dense_w.to_sparse_bsr((16, 16))
 x = torch.randn(128, 40)
-torch.testing.assert_close(
-    bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x), **reference.tolerances(torch.float32, 128)
-)
+reference.assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x), k=128)
 versions = f"bsrkit {bsrkit.__version__}, torch {torch.__version__}, python {sys.version.split()[0]}"
 print(f"wheel smoke test: {versions}, from {here}: OK")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "assert_close",
     "block_mask",
     "bsr_dense_addmm",
     "bsr_dense_mm",
@@ -19,6 +20,7 @@ __all__ = [
     "bsr_softmax",
     "bsr_to_dense",
     "bsr_transposed_dense_mm",
+    "mismatch",
     "sampled_addmm",
     "scaled_dot_product_attention",
     "scatter_mm",
@@ -37,11 +39,58 @@ _TOLERANCES = {
 
 
 def tolerances(dtype: torch.dtype, k: int = 1) -> dict[str, float]:
-    """``rtol``/``atol`` for a result in ``dtype`` that sums k products (rounding error grows like
-    sqrt(k))."""
+    """Elementwise ``rtol``/``atol`` for a result in ``dtype`` that sums k products of terms ~ 1.
+
+    Rounding the result costs ``rtol`` relative, whatever k; summing k terms in ``dtype`` costs an
+    absolute error growing like sqrt(k) (a half kernel may add partial sums in half), so only ``atol``
+    grows with k. Elementwise closeness alone passes a result far from small expected entries (an
+    all-zero attention output passes bfloat16's atol); :func:`mismatch` adds a normwise bound."""
     rtol, atol = _TOLERANCES[dtype]
-    scale = max(1.0, k**0.5)
-    return {"rtol": rtol * scale, "atol": atol * scale}
+    return {"rtol": rtol, "atol": atol * max(1.0, k**0.5)}
+
+
+def mismatch(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, k: int = 1
+) -> str | None:
+    """Why ``actual`` is not ``expected`` within ``dtype``'s tolerances for k-term sums, or None.
+
+    Two bounds, both needed: elementwise ``|a - e| <= atol + rtol |e|`` (:func:`tolerances`), with NaN
+    only where ``expected`` has NaN and infinities equal; and normwise over the finite entries,
+    ``||a - e||_F <= rtol * sqrt(k) * ||e||_F + atol``, which no result far from a small
+    ``expected`` passes (the relative error of a k-term sum grows at most like sqrt(k) times the unit
+    roundoff). ``dtype`` defaults to ``expected``'s; the comparison is made in float64."""
+    dtype = expected.dtype if dtype is None else dtype
+    if actual.shape != expected.shape:
+        return f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+    if dtype is expected.dtype and actual.dtype != expected.dtype:
+        return f"dtype {actual.dtype} != expected {expected.dtype}"
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+    tol = tolerances(dtype if dtype.is_floating_point else torch.float64, k)
+    if not torch.allclose(a, e, equal_nan=True, **tol):
+        far = ~torch.isclose(a, e, equal_nan=True, **tol)
+        worst = int(far.flatten().nonzero()[0])
+        return (
+            f"{int(far.sum())} of {a.numel()} entries differ beyond rtol {tol['rtol']:.1e}, atol "
+            f"{tol['atol']:.1e}: at flat index {worst} got {a.flatten()[worst].item()}, expected "
+            f"{e.flatten()[worst].item()}"
+        )
+    finite = torch.isfinite(e)
+    error = torch.linalg.vector_norm(torch.where(finite, a - e, 0.0)).item()
+    size = torch.linalg.vector_norm(torch.where(finite, e, 0.0)).item()
+    rtol, atol = _TOLERANCES[dtype if dtype.is_floating_point else torch.float64]
+    bound = rtol * max(1.0, k**0.5) * size + atol
+    if error > bound:
+        return f"normwise error {error:.3e} > {bound:.3e} (rtol {rtol:.1e} x sqrt({k}) x {size:.3e} + atol)"
+    return None
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, k: int = 1
+) -> None:
+    """Raise AssertionError with :func:`mismatch`'s reason where ``actual`` is not ``expected``."""
+    reason = mismatch(actual, expected, dtype, k)
+    if reason is not None:
+        raise AssertionError(reason)
 
 
 def bsr_to_dense(bsr: torch.Tensor) -> torch.Tensor:
@@ -85,6 +134,12 @@ def _to_result(product: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return product.to(dtype)
 
 
+def _not_formed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The zero float64 result of ``a @ b`` scaled by ``alpha == 0``: the product is never formed."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return torch.zeros((*batch, a.shape[-2], b.shape[-1]), dtype=torch.float64)
+
+
 def bsr_dense_mm(bsr: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return _to_result(_stored_product(bsr, dense), dense.dtype)
 
@@ -100,8 +155,10 @@ def bsr_dense_addmm(
     right_alpha: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``beta * input + left_alpha[..., :, None] * (alpha * bsr @ dense) * right_alpha[..., None, :]``,
-    in float64; int8 operands give int32 (exact)."""
-    prod = alpha * _stored_product(bsr, dense)
+    in float64; int8 operands give int32 (exact). With ``alpha == 0`` the product is not formed (NaN and
+    Inf in ``bsr`` or ``dense`` do not reach the result), as ``torch.addmm`` and torch's Triton
+    kernels; ``beta == 0`` ignores ``input`` the same way."""
+    prod = _not_formed(bsr, dense) if alpha == 0 else alpha * _stored_product(bsr, dense)
     if left_alpha is not None:
         prod = prod * left_alpha.double().unsqueeze(-1)
     if right_alpha is not None:
@@ -181,8 +238,11 @@ def block_mask(bsr: torch.Tensor) -> torch.Tensor:
 def sampled_addmm(
     input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: float = 1, alpha: float = 1
 ) -> torch.Tensor:
-    """Dense result: ``beta * input + alpha * mat1 @ mat2`` inside input's stored blocks, 0 elsewhere."""
-    full = alpha * torch.matmul(mat1.double(), mat2.double())
+    """Dense result: ``beta * input + alpha * mat1 @ mat2`` inside input's stored blocks, 0 elsewhere.
+    ``alpha == 0`` forms no product and ``beta == 0`` ignores ``input`` (their NaN and Inf do not
+    reach the result), as torch's Triton ``sampled_addmm``."""
+    mats = mat1.double(), mat2.double()
+    full = _not_formed(*mats) if alpha == 0 else alpha * torch.matmul(*mats)
     if beta != 0:
         full = full + beta * bsr_to_dense(input).double()
     mask = block_mask(input)
