@@ -69,3 +69,33 @@ def test_non_finite_alpha_gives_the_formula_on_every_backend(backend, alpha, bet
         expected = _addmm_as_written(inp, a.to_dense(), x, beta, alpha)
         got = bsrkit.bsr_dense_addmm(inp, a, x, beta=beta, alpha=alpha)
         torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.5])
+def test_alpha_zero_forms_no_product_as_torch_addmm(backend, beta):
+    """alpha == 0: NaN and Inf in the operands never reach the result (torch.addmm, torch's Triton
+    kernels), and the reference says so too: for the products and sampled_addmm."""
+    bsr = random_bsr((16, 12), (4, 4), 0.5, empty_rows=(1,))
+    values = bsr.values().clone()
+    values[0, 0, 0] = math.nan
+    bsr = torch.sparse_bsr_tensor(bsr.crow_indices(), bsr.col_indices(), values, size=bsr.shape)
+    x, inp = torch.randn(12, 8), torch.randn(16, 8)
+    x[3, 2] = math.inf
+    expected = torch.addmm(inp, torch.zeros(16, 12), x.nan_to_num(0, 0, 0), beta=beta, alpha=0)
+    for got in (
+        bsrkit.bsr_dense_addmm(inp, bsr, x, beta=beta, alpha=0),
+        reference.bsr_dense_addmm(inp, bsr, x, beta=beta, alpha=0),
+    ):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected)
+    mat1, mat2 = torch.randn(16, 5), torch.randn(5, 12)
+    mat1[0, 0], mat2[1, 1] = math.nan, -math.inf
+    finite = torch.sparse_bsr_tensor(
+        bsr.crow_indices(), bsr.col_indices(), values.nan_to_num(), size=bsr.shape
+    )
+    inp = finite if beta else bsr  # beta == 0 ignores the NaN block entry
+    for got in (
+        bsrkit.sampled_addmm(inp, mat1, mat2, beta=beta, alpha=0).to_dense(),
+        reference.sampled_addmm(inp, mat1, mat2, beta=beta, alpha=0),
+    ):
+        torch.testing.assert_close(got, beta * finite.to_dense())

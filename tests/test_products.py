@@ -258,6 +258,22 @@ def test_meta_override_and_threads(monkeypatch):
         bsrkit.bsr_dense_mm(bsr, dense, meta={"panel": 0})
 
 
+@pytest.mark.parametrize("empty", ["nnz", "alpha", "K", "N"])
+def test_meta_is_judged_where_no_kernel_runs(monkeypatch, empty):
+    """Whether meta= is accepted depends on its keys and values, not on the pattern's contents."""
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    bsr = random_bsr(
+        (16, 12 if empty != "K" else 0), (4, 3 if empty != "K" else 1), 0.0 if empty == "nnz" else 0.5
+    )
+    dense = torch.randn(bsr.shape[-1], 0 if empty == "N" else 6)
+    alpha = 0.0 if empty == "alpha" else 1.0
+    inp = torch.zeros(16, dense.shape[-1])
+    for meta, match in (({"TILE_M": 16}, "unknown"), ({"panel": 0}, "int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            bsrkit.bsr_dense_addmm(inp, bsr, dense, alpha=alpha, meta=meta)
+    assert bsrkit.bsr_dense_addmm(inp, bsr, dense, alpha=alpha, meta={"panel": 2}).shape == inp.shape
+
+
 def test_work_split_writes_every_tile_exactly_once(monkeypatch):
     """The CPU kernel cuts (batch, panel, row) tasks into equal-cost runs, one per thread: a gap would
     leave NaN in ``out`` and an overlap would add a tile twice, for any thread count and panel width."""

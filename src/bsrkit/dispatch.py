@@ -333,6 +333,12 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def check_meta(op: str, backend: Backend, meta: dict[str, Any]) -> None:
+    """Judge ``meta`` for a product that runs no kernel (nothing stored, ``K == 0`` or ``alpha == 0``),
+    as :func:`addmm` judges it where one runs (:func:`bsrkit.tuning.check_meta`)."""
+    tuning.check_meta(backend, meta, op)
+
+
 def sampled(
     op: str,
     backend: Backend,
@@ -345,8 +351,13 @@ def sampled(
 ) -> torch.Tensor:
     """``alpha * (mat1 @ mat2)`` at ``a``'s blocks: values of shape ``(*batch, nnz, Ms, Ns)``. A
     non-finite ``alpha`` scales the formed product (a gemm may scale an operand instead, and with
-    ``K == 0`` there is no operand): ``inf * 0`` and ``nan * x`` are NaN, as the formula says."""
+    ``K == 0`` there is no operand): ``inf * 0`` and ``nan * x`` are NaN, as the formula says.
+    ``alpha == 0`` forms no product (zeros, whatever NaN or Inf the matrices hold), as ``torch.addmm``
+    and torch's Triton kernel, on every backend."""
     Ms, Ns = a.values.shape[-2:]
+    if alpha == 0:
+        nnz = a.values.shape[-3]
+        return torch.zeros((*batch, nnz, Ms, Ns), dtype=mat1.dtype, device=mat1.device)
     shape = (mat1.shape[-2], mat1.shape[-1], mat2.shape[-1])
     name = tuning.TABLE_NAMES["sampled", ""]
     params = tuning.resolve(backend, name, mat1.device, mat1.dtype, shape, (Ms, Ns), meta, op)

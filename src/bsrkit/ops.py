@@ -232,6 +232,8 @@ def checked_addmm(
             a, unproven = None, False
         elif transpose:
             a = a.transposed()
+    if a is None and meta:  # (no kernel runs, so dispatch never resolves meta: judged all the same)
+        dispatch.check_meta(op, backend, meta)
     if differentiable:
         return autograd.BsrDenseAddmm.apply(
             op, backend, input, bsr, dense, left, right, a, batch, beta, alpha, meta, transpose
@@ -446,7 +448,9 @@ def sampled_addmm(
     :math:`V_{ij} \leftarrow \beta V_{ij} + \alpha\, \mathrm{mat1}_{iM_s..,:}\, \mathrm{mat2}_{:, jN_s..}`.
     ``mat1`` is ``(*B1, M, K)``, ``mat2`` ``(*B2, K, N)``; batch dims broadcast with ``input``'s. The
     result is a BSR tensor with ``input``'s indices, in ``mat1``'s dtype. With ``beta == 0`` the input
-    values are ignored, and ``input`` may be a boolean mask (only its pattern is used), as in torch.
+    values are ignored, and ``input`` may be a boolean mask (only its pattern is used), as in torch;
+    with ``alpha == 0`` no product is formed (NaN and Inf in ``mat1``/``mat2`` do not reach the result,
+    as in ``torch.addmm`` and torch's Triton kernel).
     Differentiable in ``mat1``, ``mat2`` and ``input``'s values, as torch's is.
     ``out``, if given, is a BSR tensor of the result's shape, dtype and nnz: as torch does, ``input``'s
     indices are copied into it (a different pattern is replaced, never mixed) and its values written.

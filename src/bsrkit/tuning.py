@@ -392,17 +392,27 @@ def _resolve_unmemoized(
             )
             chosen = {}
     else:
-        unknown = set(meta) - set(schema)
-        if unknown:
-            raise ValueError(
-                f"{op}(): expected meta keys among {sorted(schema)} for the {backend.display_name} backend, "
-                f"got unknown {sorted(unknown)}"
-            )
-        for k, v in meta.items():
-            if not schema[k].check(v):
-                raise ValueError(f"{op}(): expected meta[{k!r}] to be {schema[k].expected}, got {v!r}")
+        check_meta(backend, meta, op)
         chosen = dict(meta)
     return backend.complete_params(_KERNEL_OF[name], dtype, shape, blocksize, chosen)
+
+
+def check_meta(backend: Backend, meta: dict[str, Any], op: str) -> None:
+    """Refuse (``ValueError`` naming ``op``) a ``meta`` with keys outside ``backend``'s parameter schema or
+    values it does not take; a backend without parameters ignores ``meta``. Whether a product reaches a
+    kernel does not matter: an empty product checks it too."""
+    schema = backend.param_schema
+    if not schema:
+        return
+    unknown = set(meta) - set(schema)
+    if unknown:
+        raise ValueError(
+            f"{op}(): expected meta keys among {sorted(schema)} for the {backend.display_name} backend, "
+            f"got unknown {sorted(unknown)}"
+        )
+    for k, v in meta.items():
+        if not schema[k].check(v):
+            raise ValueError(f"{op}(): expected meta[{k!r}] to be {schema[k].expected}, got {v!r}")
 
 
 def cpu_mm_meta(
