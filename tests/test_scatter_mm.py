@@ -5,7 +5,7 @@ import torch
 import torch.sparse._triton_ops as torch_ops
 
 import bsrkit
-from bsrkit import reference
+from bsrkit import reference, scatter
 from bsrkit.backends import BACKENDS
 from helpers import assert_close, backends, random_bsr, run_python
 
@@ -189,6 +189,31 @@ def test_scatter_mm_hand_made_indices_non_contiguous(backend):
     acc = torch.randn(4, 3, 5, dtype=torch.float64).mT  # (4, 5, 3), column-major
     expected = reference.scatter_mm(blocks, others, data, acc)
     assert_close(bsrkit.scatter_mm(blocks, others, data, accumulators=acc), expected, k=4)
+
+
+@CPU_AND_TORCH
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_blocks_at_a_storage_offset(backend, fmt):
+    """One matrix of a batched BSR: its values start inside the batch's storage (the compiled loop
+    read them from the storage's start: the product of the first matrix)."""
+    bsr3 = random_bsr((3, 16, 24), (4, 8), 0.5, dtype=torch.float64)
+    bsr = bsr3[1]
+    assert bsr.values().storage_offset() > 0
+    other = torch.randn(24, 8, dtype=torch.float64)
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt)
+    assert_close(bsrkit.bsr_scatter_mm(bsr, other, indices_data=data), reference.bsr_dense_mm(bsr, other))
+    if fmt != "scatter_mm":
+        return
+    blocks = torch.randn(4 * 2 * 3 + 6, dtype=torch.float64)[6:].view(4, 2, 3)  # hand-made, offset 6
+    others = torch.randn(5, 3, 4, dtype=torch.float64)
+    hand_made = (
+        "scatter_mm",
+        torch.tensor([0, 2, 2, 5]),
+        torch.tensor([[0, 1], [3, 4], [1, 0], [1, 0], [2, 2]]),
+    )
+    acc = torch.zeros(3, 2, 4, dtype=torch.float64)
+    expected = reference.scatter_mm(blocks, others, hand_made, acc)
+    assert_close(bsrkit.scatter_mm(blocks, others, hand_made), expected, k=3)
 
 
 @CPU_AND_TORCH
@@ -437,3 +462,33 @@ def test_an_out_that_requires_grad_is_refused_as_torch_refuses_it(call):
     with torch.no_grad():  # (as torch: allowed where nothing is recorded)
         result = call(bsr, x, out)
     assert result is out and torch.equal(out.detach(), call(bsr, x, torch.empty(16, 8)))
+
+
+def test_none_in_the_meta_keywords_means_not_given_as_in_torch():
+    bsr = random_bsr((8, 12), (2, 4), 0.6, dtype=torch.float64)
+    x = torch.randn(12, 16, dtype=torch.float64)
+    theirs = torch_ops.bsr_scatter_mm_indices_data(bsr, x, SPLIT_N=None, TILE_M=None)[-1]
+    for given in ({"TILE_M": None}, {"SPLIT_N": None}, {"SPLIT_N": None, "num_warps": None}):
+        assert bsrkit.bsr_scatter_mm_indices_data(bsr, x, **given)[-1] == theirs
+    assert None not in scatter.scatter_mm_meta(256, 256, 256, 16, 16, SPLIT_N=None).values()
+
+
+@pytest.mark.parametrize(
+    "c_offsets",
+    [[0, 2, 2, 5], torch.tensor([], dtype=torch.long), torch.tensor([0.0])],
+    ids=["list", "empty", "float"],
+)
+def test_unusable_c_offsets_are_refused_even_where_the_result_is_empty(c_offsets):
+    blocks, others = torch.randn(4, 2, 3), torch.randn(5, 3, 4)
+    pq = torch.tensor([[0, 1], [3, 4], [1, 0], [1, 0], [2, 2]])
+    with pytest.raises(ValueError, match="c_offsets"):
+        bsrkit.scatter_mm(blocks, others, ("scatter_mm", c_offsets, pq))
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:2])
+def test_a_bool_split_n_is_refused_by_both_strided_formats(fmt):
+    bsr = random_bsr((8, 12), (2, 4), 0.6)
+    x = torch.randn(12, 16)
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, x, indices_format=fmt)
+    with pytest.raises(ValueError, match="SPLIT_N"):
+        bsrkit.scatter_mm(bsr.values(), x, (*data[:-1], dict(data[-1], SPLIT_N=True)))

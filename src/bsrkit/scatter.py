@@ -185,8 +185,6 @@ def _scatter_mm(
     else:
         # (hand-made tiles may overlap, and each sums into its place: see scatter_mm)
         check_out(op, accumulators, acc_shape, blocks.dtype, blocks.device, "accumulators", distinct=False)
-    if accumulators.numel() == 0:
-        return accumulators
     blocks, others = resolved(blocks), resolved(others)  # (the kernels read memory)
     _run_scatter(op, blocks, others, indices_data, accumulators, tuple(others.shape), acc_shape, overwrite)
     return accumulators
@@ -208,6 +206,8 @@ def _run_scatter(
         judged = plans.check_indices_data(indices_data, blocks.shape[0], Ms, Ks, others_shape, acc_shape)
     except plans.MalformedPatternError as exc:
         raise ValueError(f"{op}(): malformed indices_data: {exc}") from None
+    if accumulators.numel() == 0:  # (judged all the same: an empty result does not excuse bad data)
+        return
     if blocks.device.type == "cpu":
         # The kernels run on the bytes that were validated (a write racing this call cannot steer an
         # access). On a device, the live tensors: there the verdict is not compared on a hit by default
@@ -436,7 +436,8 @@ def scatter_mm_meta(M: int, K: int, N: int, Ms: int, Ks: int, **meta_input: Any)
     replaced by their greatest common divisor. Torch also consults a per-GPU table on CUDA machines; that
     is not reproduced here.
     """
-    given = {k: meta_input.pop(k) for k in _SCATTER_MM_KEYS if meta_input.get(k) is not None}
+    # (None means not given, as in torch; popped either way, so that no None passes through)
+    given = {k: v for k in _SCATTER_MM_KEYS if (v := meta_input.pop(k, None)) is not None}
     for name, value in given.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(

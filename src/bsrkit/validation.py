@@ -375,7 +375,8 @@ def indices_data_defect(
     split_n = meta.get("SPLIT_N")
     K, N = others[-2:]
     M = acc[-2]
-    if not isinstance(split_n, int) or split_n < 1 or (N and N % split_n):
+    # (a bool is refused, as bsr_scatter_mm_indices_data refuses it)
+    if not isinstance(split_n, int) or isinstance(split_n, bool) or split_n < 1 or (N and N % split_n):
         return f"expected meta['SPLIT_N'] to be a positive divisor of N == {N}, got {split_n!r}"
     Ns = N // split_n
     names = (

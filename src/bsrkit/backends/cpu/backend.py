@@ -439,7 +439,7 @@ class CpuBackend:
         args = Args(
             kind=_KINDS[accumulators.dtype], tiles=plan.tiles, pairs=plan.pairs, tasks=plan.tasks,
             cum=plan.cost, nbatch=math.prod(batch), nthreads=nthreads,
-            a_addr=_base_address(blocks), a_gs=blocks.stride(0), a_rowmajor=a_rowmajor, lda=lda,
+            a_addr=blocks.data_ptr(), a_gs=blocks.stride(0), a_rowmajor=a_rowmajor, lda=lda,
             b_addr=_base_address(others), b_boff=b_boff, b_moff=b_moff, b_rs=others.stride(-2),
             b_cs=others.stride(-1), b_rowmajor=b_rowmajor, ldb=ldb,
             c_addr=_base_address(target), c_boff=c_boff, c_moff=c_moff, c_rs=target.stride(-2),
