@@ -518,6 +518,44 @@ def test_a_view_of_an_argument_inside_an_object_is_refused_and_its_bytes_counted
     assert storage() is None and owning.cache_info().currsize == 0
 
 
+def test_a_value_capturing_its_argument_in_a_function_is_refused():
+    """A closure, a default, a bound method or a functools.partial holding the argument would pin its
+    memory: the entry could never die (and the memory never be freed)."""
+
+    class Holder:
+        def __init__(self, t):
+            self.t = t
+
+        def scale(self, y):
+            return y * self.t
+
+    makers = {
+        "closure": lambda x: lambda y: y * x.sum(),
+        "default": lambda x: lambda y, x=x: y * x,
+        "method": lambda x: Holder(x[:2]).scale,
+        "partial": lambda x: functools.partial(torch.mul, x),
+        "partial keyword": lambda x: functools.partial(torch.add, other=x),
+    }
+    for name, make in makers.items():
+        cached = weak_lru_cache(maxsize=None)(make)
+        x = torch.ones(1000)
+        with pytest.raises(ValueError, match="shares memory with one of its tensor arguments"):
+            cached(x)
+        assert cached.cache_info().currsize == 0, name
+
+    @weak_lru_cache(maxsize=None)
+    def owning(x):
+        total = x.sum()
+        return lambda y: y * total  # (captures derived data only: cached, and dies with x)
+
+    x = torch.ones(1000)
+    assert owning(x)(2.0) == 2000.0
+    storage = weakref.ref(x.untyped_storage())
+    del x
+    gc.collect()
+    assert storage() is None and owning.cache_info().currsize == 0
+
+
 def test_verify_contents_hands_the_function_its_arguments_negative_and_conjugate_bits():
     """With verify_contents the function runs on the kept copy of its argument's bytes: it must read it
     as the argument reads (a negative or conjugate view holds the memory of another value)."""

@@ -90,6 +90,14 @@ def _value_arrays(value: Any) -> list[Any]:
             stack.extend(v.values())
         elif isinstance(v, (set, frozenset)):
             stack.extend(v)
+        elif isinstance(v, types.FunctionType):  # what it captured, not its module's globals
+            stack.extend(cell.cell_contents for cell in v.__closure__ or () if _filled(cell))
+            stack.extend(v.__defaults__ or ())
+            stack.extend((v.__kwdefaults__ or {}).values())
+        elif isinstance(v, types.MethodType):
+            stack.extend((v.__self__, v.__func__))
+        elif isinstance(v, functools.partial):
+            stack.extend((v.func, v.args, v.keywords))
         elif not isinstance(v, _OPAQUE):
             footprint = getattr(type(v), "cache_footprint", None)
             if footprint is not None:
@@ -105,9 +113,18 @@ def _value_arrays(value: Any) -> list[Any]:
     return found
 
 
-# Objects whose attributes are not a value's own data: classes, modules, functions, scalars.
-_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-           str, int, float, complex, bool, type(None), torch.dtype, torch.device)  # fmt: skip
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+# Objects whose attributes are not a value's own data: classes, modules, builtins, scalars (a Python
+# function's captures and a method's object are looked into above).
+_OPAQUE = (type, types.ModuleType, types.BuiltinFunctionType, str, int, float, complex, bool, type(None),
+           torch.dtype, torch.device)  # fmt: skip
 
 
 def _nbytes(arrays: list[Any]) -> int:
