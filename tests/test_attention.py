@@ -105,6 +105,24 @@ def test_cpu_fused_and_composed_paths(cpu_path, fused_calls, kind, is_causal):
     assert (fused_calls["forward"], fused_calls["backward"]) == expected
 
 
+def test_a_float_mask_of_column_major_blocks(cpu_path, fused_calls):
+    """Its values are copied for the loops: the copy must live while they read it (it was freed first:
+    errors of 2.5 at L = 256, a segfault at 2048), forward and backward."""
+    L, bs = 256, 32
+    g = torch.Generator().manual_seed(4)
+    bias = torch.randn(L, L, generator=g, dtype=torch.float64)
+    blocks = bias.reshape(L // bs, bs, L // bs, bs).transpose(1, 2).reshape(-1, bs, bs)
+    nb = L // bs
+    crow, col = torch.arange(0, nb * nb + 1, nb), torch.arange(nb).repeat(nb)
+    mask = torch.sparse_bsr_tensor(crow, col, blocks.mT.contiguous().mT, size=(L, L))
+    assert not mask.values().is_contiguous()
+    q, k, v = _inputs((2, L, 8), (2, L, 8), (2, L, 8), seed=2)
+    out = _compare(q, k, v, mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    torch.testing.assert_close(out, expected)
+    assert fused_calls["forward"] == (1 if cpu_path == "fused" else 0)
+
+
 def test_fused_float32_matches_float64(fused_calls):
     """The float32 loops (polynomial exp, MKL sgemm) against the float64 reference, with 128-blocks
     split into several chunks per block row and partial blocks on the window's edges."""

@@ -126,20 +126,24 @@ _TYPESTRS = {
 
 
 class _ArrayInterface:
-    """A view of memory numpy reads through ``__array_interface__`` (it holds no reference)."""
+    """A view of memory numpy reads through ``__array_interface__``, holding the tensor that owns it:
+    numpy keeps this object as the array's ``base``, so the array keeps the memory alive (a temporary
+    copy made for the call, freed before the loop read it, was read after free: wrong results, a crash)."""
 
-    __slots__ = ("__array_interface__",)
+    __slots__ = ("__array_interface__", "owner")
     __array_interface__: dict[str, Any]
+    owner: torch.Tensor
 
 
 def host_array(t: torch.Tensor) -> np.ndarray:
     """``t.numpy()`` for a contiguous CPU tensor, without its side effect: torch marks every storage that
     numpy views non-resizable, for ever (a caller's ``resize_`` then fails), and the loops take arrays of
-    the caller's own tensors. An array on ``t``'s memory, valid while the caller holds ``t``."""
+    the caller's own tensors. An array on ``t``'s memory that holds ``t`` (as ``.numpy()``'s does)."""
     typestr = _TYPESTRS.get(t.dtype)
     if typestr is None or not t.is_contiguous():
         raise ValueError(f"host_array(): expected a contiguous tensor of {sorted(map(str, _TYPESTRS))}")
     view = _ArrayInterface()
+    view.owner = t
     view.__array_interface__ = {
         "data": (t.data_ptr(), False), "shape": tuple(t.shape), "typestr": typestr, "version": 3,
     }  # fmt: skip
