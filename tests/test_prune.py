@@ -185,3 +185,17 @@ def test_state_dict_round_trip_and_bad_arguments():
     ]:  # fmt: skip
         with pytest.raises(error):
             GradualPruner(_model(), opt, **{**kwargs, **bad})
+
+
+def test_a_frozen_layer_is_named_and_leaves_no_hook():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model[2].requires_grad_(False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'2' is frozen"):
+        GradualPruner(model, optimizer, blocksize=4, target_density=0.5, start_step=0, end_step=2, every=1)
+    assert not model[0].weight._backward_hooks and not model[2].weight._backward_hooks
+    pruner = GradualPruner(
+        model, optimizer, blocksize=4, target_density=0.5, start_step=0, end_step=2, every=1,
+        filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and m.weight.requires_grad,
+    )  # fmt: skip
+    assert list(pruner.densities()) == ["0"]

@@ -310,3 +310,18 @@ def test_a_bare_linear_layer_or_a_filter_that_is_not_callable_is_named():
         sparsify_(nn.Linear(64, 64), blocksize=16, density=0.25, force=True)
     with pytest.raises(TypeError, match="expected filter_fn to be callable"):
         sparsify_(nn.Sequential(nn.Linear(64, 64)), blocksize=16, density=0.25, filter_fn=3)
+
+
+def test_a_layer_that_cannot_be_converted_leaves_the_model_unchanged():
+    """Every layer is checked and built before any is put in place (as load_sparse)."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 10))
+    before = [type(m) for m in model]
+    with pytest.raises(ValueError, match="to divide the"):
+        sparsify_(
+            model, blocksize=4, density=0.25, force=True, filter_fn=lambda m, fqn: isinstance(m, nn.Linear)
+        )
+    assert [type(m) for m in model] == before
+    model[2].weight = nn.Parameter(torch.empty(16, 16, device="meta"))
+    with pytest.raises(ValueError, match="meta device"):
+        sparsify_(model, blocksize=4, density=0.25, force=True)
+    assert [type(m) for m in model] == before

@@ -187,6 +187,12 @@ class GradualPruner:
                     f"{op}: filter_fn selected {fqn!r}, a {type(module).__name__}, not an nn.Linear"
                 )
             out_f, in_f = check_selected(op, model, module, fqn, (bo, bi))
+            if not module.weight.requires_grad:  # (before any hook: nothing is left on the model)
+                raise ValueError(
+                    f"{op}: {fqn!r} is frozen (its weight does not require grad), and a gradual pruner "
+                    "trains the layers it prunes: leave it out with filter_fn, or prune it once with "
+                    "sparsify_ (frozen layers stay frozen there)"
+                )
             tied = weights.setdefault(id(module.weight), fqn)
             if tied != fqn:
                 raise ValueError(

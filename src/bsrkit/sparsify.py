@@ -231,6 +231,9 @@ def sparsify_(
     # weight (tied, as an encoder's and a decoder's projections can be) shares its blocks and pattern, so
     # the tie holds through fine-tuning and the blocks are stored once.
     built_from: dict[tuple[bool, int], BSRLinear] = {}
+    # Every layer is checked and built before any is put in place: a layer that cannot be converted
+    # raises with the model unchanged (as load_sparse), never half block-sparse.
+    replacements: list[tuple[list[str], BSRLinear]] = []
     for fqn, module, fqns in chosen:
         features = check_selected("sparsify_()", model, module, fqn, (bo, bi))
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
@@ -248,7 +251,9 @@ def sparsify_(
         else:
             dense_weights += features[0] * features[1]
             stored_weights += sparse.values.numel()
-        put(model, fqns, sparse)
+        replacements.append((fqns, sparse))
         blocks = (features[0] // bo) * (features[1] // bi)
         reports.append(LayerReport(fqn, features, sparse.values.shape[-3] / blocks if blocks else 0.0))
+    for fqns, sparse in replacements:
+        put(model, fqns, sparse)
     return SparsifySummary(tuple(reports), dense_weights, stored_weights)
