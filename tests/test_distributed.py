@@ -271,6 +271,29 @@ def test_tensor_parallel_on_one_rank_is_the_layer(world_of_one):
         BlockRowParallelBSRLinear(reference[0], "world")
 
 
+def test_parallelize_keeps_shared_and_tied_layers_one_and_int32_indices(world_of_one):
+    """A layer at two places is one parallel layer at both; layers tied by sparsify_ (one values
+    Parameter) share their part; to_bsr_linear keeps int32 indices int32 (cumsum promoted crow)."""
+    torch.manual_seed(0)
+    shared = BSRLinear(16, 16, 4, density=0.5)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+    parallelize(model)
+    assert isinstance(model[0], BlockRowParallelBSRLinear) and model[0] is model[2]
+    tied = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    tied[1].weight = tied[0].weight
+    bsrkit.sparsify_(tied, blocksize=4, density=0.5, force=True)
+    assert tied[0].values is tied[1].values
+    parallelize(tied)
+    assert tied[0] is not tied[1] and tied[0].values is tied[1].values
+    assert tied[0].col_indices is tied[1].col_indices
+    layer = BSRLinear(16, 8, 4, density=0.5)
+    layer.crow_indices, layer.col_indices = layer.crow_indices.int(), layer.col_indices.int()
+    gathered = BlockRowParallelBSRLinear(layer).to_bsr_linear()
+    assert gathered.crow_indices.dtype == gathered.col_indices.dtype == torch.int32
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(gathered(x), layer(x), rtol=0, atol=0)
+
+
 def test_tensor_parallel_needs_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="expected an initialised default process group"):

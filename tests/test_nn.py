@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import bsrkit
+from bsrkit import reference
 from bsrkit.nn import BSRLinear
 from helpers import assert_close
 
@@ -790,3 +791,85 @@ def test_a_negative_view_given_as_values_is_read_as_its_value():
     values.data = torch._neg_view(torch.randn(2, 16, 16))
     for _ in range(2):
         torch.testing.assert_close(bsrkit.bsr_dense_mm(bsr, x), bsr.to_dense() @ x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_from_dense_ranks_half_blocks_by_their_true_norms(dtype):
+    """Norms in float32 at least: in float16 blocks of 64s and 128s both overflow to inf (and tie); in
+    bfloat16 close norms round together."""
+    w = torch.full((4, 8), 64.0)  # (a block's squared norm 16 * 64**2 > 65504: inf in float16)
+    w[:, 4:] = 128.0
+    linear = torch.nn.Linear(8, 4, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(w.to(dtype))
+    layer = BSRLinear.from_dense(linear, 4, 0.5)
+    assert layer.col_indices.tolist() == [1]
+    big = torch.nn.Linear(256, 256, dtype=dtype)
+    layer = BSRLinear.from_dense(big, 16, 0.25)
+    norms = big.weight.detach().double().reshape(16, 16, 16, 16).transpose(1, 2).square().sum((-1, -2))
+    kept = torch.zeros(256, dtype=torch.bool)
+    kept[norms.flatten().topk(64).indices] = True
+    assert torch.equal(
+        layer.to_dense().reshape(16, 16, 16, 16).transpose(1, 2).ne(0).any(-1).any(-1).flatten(), kept
+    )
+
+
+def test_from_dense_names_a_module_that_is_not_a_linear():
+    class Conv1D(torch.nn.Module):  # (transformers' layout: weight (in, out))
+        def __init__(self):
+            super().__init__()
+            self.nf, self.weight, self.bias = (
+                4,
+                torch.nn.Parameter(torch.randn(8, 4)),
+                torch.nn.Parameter(torch.zeros(4)),
+            )
+
+    with pytest.raises(TypeError, match="expected linear to be an nn.Linear, got Conv1D .*sparsify_"):
+        BSRLinear.from_dense(Conv1D(), 4, 1.0)
+    with pytest.raises(TypeError, match="expected linear to be an nn.Linear, got Embedding"):
+        BSRLinear.from_dense(torch.nn.Embedding(4, 4), 4, 1.0)
+
+
+@pytest.mark.parametrize("shape", [(5, 0), (2, 3, 0), (0,)])
+def test_no_input_features_as_nn_linear(shape):
+    layer = BSRLinear(0, 4, (4, 1), density=0.0)
+    dense = torch.nn.Linear(0, 4)
+    with torch.no_grad():
+        dense.bias.copy_(layer.bias)
+    x = torch.randn(shape)
+    torch.testing.assert_close(layer(x), dense(x))
+    x.requires_grad_()
+    layer(x).sum().backward()
+    assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_under_autocast_as_nn_linear(low):
+    """The product runs in the autocast dtype (as F.linear's), gradients reach the float32 values; a
+    float64 layer is left as it is (autocast leaves float64)."""
+    torch.manual_seed(0)
+    layer = BSRLinear(64, 32, 16, density=0.5)
+    dense = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        dense.weight.copy_(layer.to_dense())
+        dense.bias.copy_(layer.bias)
+    x = torch.randn(5, 64)
+    with torch.autocast("cpu", low):
+        got, want = layer(x), dense(x)
+        assert got.dtype == want.dtype == low
+        with torch.no_grad():
+            assert layer(x).dtype == low
+        got.float().square().sum().backward()
+        want.float().square().sum().backward()
+    assert layer.values.grad.dtype == torch.float32
+    # (both against the exact product of the operands autocast hands over)
+    exact = torch.nn.functional.linear(*(t.detach().to(low).double() for t in (x, dense.weight, dense.bias)))
+    for result in (got, want):
+        reference.assert_close(result, exact, low, 64)
+    rows = torch.repeat_interleave(torch.arange(2), layer.crow_indices.diff())
+    blocks = dense.weight.grad.reshape(2, 16, 4, 16).transpose(1, 2)[rows, layer.col_indices]
+    torch.testing.assert_close(layer.values.grad, blocks, rtol=2e-2, atol=2e-2 * 8)
+    torch.testing.assert_close(layer.bias.grad, dense.bias.grad, rtol=2e-2, atol=2e-2 * 8)
+    wide = BSRLinear(64, 32, 16, density=0.5, dtype=torch.float64)
+    with torch.autocast("cpu", low):
+        assert wide(x.double()).dtype == torch.float64

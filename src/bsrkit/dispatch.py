@@ -218,7 +218,10 @@ def rerun_prepared(
 def rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as the 2-D matrix of its last dimension's rows (itself when 2-D; a view where its leading
     dimensions are one stride apart, else a copy)."""
-    return t if t.ndim == 2 else t.reshape(-1, t.shape[-1])
+    if t.ndim == 2:
+        return t
+    # (-1 cannot be inferred with a last dimension of 0: nn.Linear(0, n) takes such an input)
+    return t.reshape(-1, t.shape[-1]) if t.shape[-1] else t.reshape(math.prod(t.shape[:-1]), 0)
 
 
 def rerun_weight_call(

@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from bsrkit import custom_ops
-from bsrkit.nn import BSRLinear
+from bsrkit.nn import BSRLinear, autocast_operands
+from bsrkit.places import module_places, put
 
 __all__ = ["BlockRowParallelBSRLinear", "parallelize", "split_block_rows"]
 
@@ -224,15 +225,16 @@ class BlockRowParallelBSRLinear(nn.Module):
                 f"got {tuple(x.shape)}"
             )
         lead = x.shape[:-1]
+        x, values, bias = autocast_operands(x, self.values, self.bias)  # (as BSRLinear's)
         x2 = _ReplicatedInput.apply(x.reshape(-1, self.in_features), self.group)
         # y_r = x W_r^T (row-major, as BSRLinear's): its transpose's rows are this rank's output features,
         # gathered along the first dimension.
         y_r = custom_ops.linear(
             self.crow_indices,
             self.col_indices,
-            self.values,
+            values,
             x2,
-            self.bias,  # (this rank's part: added before the gather)
+            bias,  # (this rank's part: added before the gather)
             self.local_out_features,
             self.in_features,
             False,
@@ -262,7 +264,8 @@ class BlockRowParallelBSRLinear(nn.Module):
             device=values.device,
             dtype=values.dtype,
         )
-        layer.crow_indices = torch.cat([row_nnz.new_zeros(1), row_nnz.cumsum(0)])
+        # (cumsum promotes int32 to int64: the indices keep their one dtype)
+        layer.crow_indices = torch.cat([row_nnz.new_zeros(1), row_nnz.cumsum(0, dtype=row_nnz.dtype)])
         layer.col_indices = col
         layer.values = nn.Parameter(values, requires_grad=self.values.requires_grad)  # (frozen stays so)
         if self.bias is not None:
@@ -312,6 +315,16 @@ def parallelize(module: nn.Module, group: Any = None) -> nn.Module:
     :class:`BlockRowParallelBSRLinear` over ``group``; returns the (new) module."""
     if isinstance(module, BSRLinear):
         return BlockRowParallelBSRLinear(module, group)
-    for name, child in list(module.named_children()):
-        setattr(module, name, parallelize(child, group))
+    # One parallel layer at every place of a layer used at several; layers tied by sparsify_ (one values
+    # Parameter) stay tied: they share this rank's part (each keeps its own bias).
+    built: dict[int, BlockRowParallelBSRLinear] = {}
+    for layer, fqns in module_places(module).values():
+        if not isinstance(layer, BSRLinear):
+            continue
+        parallel = BlockRowParallelBSRLinear(layer, group)
+        tied = built.setdefault(id(layer.values), parallel)
+        if tied is not parallel:
+            parallel.values, parallel.crow_indices = tied.values, tied.crow_indices
+            parallel.col_indices = tied.col_indices
+        put(module, fqns, parallel)
     return module

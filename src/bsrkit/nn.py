@@ -46,6 +46,24 @@ def _needs_grad(x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
     )
 
 
+def autocast_operands(
+    x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x``, ``values`` and ``bias`` as ``torch.autocast`` hands them to ``F.linear`` (a lower-precision
+    op there): inside an autocast region enabled for ``x``'s device, each float32/half tensor in the
+    autocast dtype (float64 ones as they are); outside, unchanged. The values' cast is differentiable:
+    their gradient is float32, as an ``nn.Linear`` weight's under autocast."""
+    # (one cheap test outside every region: the decode step's layers pass here)
+    if not torch._C._is_any_autocast_enabled() or not torch.is_autocast_enabled(x.device.type):
+        return x, values, bias
+    low = torch.get_autocast_dtype(x.device.type)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(low) if t.is_floating_point() and t.dtype is not torch.float64 else t
+
+    return cast(x), cast(values), None if bias is None else cast(bias)
+
+
 class BSRLinear(nn.Module):
     r""":math:`y = x W^T + b` with :math:`W` (``out_features x in_features``) block-sparse.
 
@@ -114,6 +132,12 @@ class BSRLinear(nn.Module):
     @classmethod
     def from_dense(cls, linear: nn.Linear, blocksize: int | tuple[int, int], density: float) -> BSRLinear:
         """Prune ``linear`` to the ``round(density * blocks)`` blocks of largest Frobenius norm."""
+        if not isinstance(linear, nn.Linear):  # (a Conv1D's weight is (in, out): it would be read transposed)
+            conv1d = " (transformers' Conv1D stores its weight transposed: sparsify_ converts it)"
+            raise TypeError(
+                f"BSRLinear.from_dense(): expected linear to be an nn.Linear, got {type(linear).__name__}"
+                + (conv1d if type(linear).__name__ == "Conv1D" else "")
+            )
         bo, bi = check_blocksize("BSRLinear.from_dense", blocksize)
         check_density("BSRLinear.from_dense", density)
         w = linear.weight.detach()
@@ -128,7 +152,8 @@ class BSRLinear(nn.Module):
             in_f, out_f, (bo, bi), bias=linear.bias is not None, density=0.0, device=w.device, dtype=w.dtype
         )
         blocks = w.reshape(out_f // bo, bo, in_f // bi, bi).transpose(1, 2)  # (MB, KB, bo, bi)
-        norms = blocks.pow(2).sum((-1, -2)).flatten()
+        # (in float32 at least: half norms overflow to inf, and tie, or round; as GradualPruner ranks them)
+        norms = blocks.to(torch.promote_types(w.dtype, torch.float32)).pow(2).sum((-1, -2)).flatten()
         keep = norms.topk(round(density * norms.numel())).indices
         mask = torch.zeros(norms.numel(), dtype=torch.bool, device=w.device)
         mask[keep] = True
@@ -165,12 +190,14 @@ class BSRLinear(nn.Module):
         # (the tables Module.__getattr__ would search: 0.1 µs a read instead of 0.8, on every decode step;
         # the attribute where torch.nn.utils.prune or parametrize moved one out of them)
         params, buffers = self._parameters, self._buffers
-        values, bias = params.get("values"), params.get("bias")
+        values: torch.Tensor | None = params.get("values")
+        bias: torch.Tensor | None = params.get("bias")
         if values is None:
             values = self.values
         if bias is None and "bias" not in params:
             bias = self.bias
         assert values is not None
+        x, values, bias = autocast_operands(x, values, bias)  # (as nn.Linear under torch.autocast)
         if x.dtype is not values.dtype or (bias is not None and bias.dtype is not values.dtype):
             check_operand_dtypes("BSRLinear.forward", "x", x, "values", values)
             if bias is not None:  # (as F.linear: one dtype for the three)
