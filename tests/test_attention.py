@@ -532,3 +532,14 @@ def test_the_cpu_loops_leave_the_callers_tensors_resizable():
     with torch.no_grad():
         for t in (q, k, v, values):
             t.detach().resize_(t.numel() + 64)
+
+
+def test_mask_builders_take_numpy_integers_as_ints():
+    """Sizes and windows from numpy (a shape read off an array) are ints, as scale and dropout_p take
+    numpy numbers; numpy's bool is not."""
+    want = bsrkit.sliding_window_mask(32, 3, 8)
+    got = bsrkit.sliding_window_mask(np.int64(32), np.int32(3), np.int64(8))
+    assert torch.equal(got.to_dense(), want.to_dense())
+    assert torch.equal(bsrkit.causal_mask(np.int64(16), 4).to_dense(), bsrkit.causal_mask(16, 4).to_dense())
+    with pytest.raises(TypeError, match="expected window to be an int, got bool"):
+        bsrkit.sliding_window_mask(32, np.bool_(True), 8)

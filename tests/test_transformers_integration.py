@@ -163,6 +163,27 @@ def test_grouped_heads_fall_back_to_sdpa_unrepeated(L, S, causal):
     torch.testing.assert_close(hf.attention_forward(Attention(), q, k, v, None)[0], want)
 
 
+@pytest.mark.parametrize("name", ["softcap", "s_aux", "sinks"])
+def test_what_neither_path_applies_is_refused_by_name(name):
+    """Soft-capping and attention sinks were dropped silently (GPT-OSS's logits off by 0.25), or refused
+    by the SDPA fallback in its own name."""
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups = 1
+
+    q = k = v = torch.randn(1, 2, 16, 8)
+    extra = torch.full((2,), 1.0) if name != "softcap" else 50.0
+    with pytest.raises(ValueError, match=f"{name}= .* attn_implementation='eager'"):
+        hf.attention_forward(Attention(), q, k, v, None, **{name: extra})
+
+
+def test_a_model_on_the_meta_device_runs_as_on_sdpa():
+    with torch.device("meta"):
+        ours, theirs = _llama(hf.NAME), _llama("sdpa")
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    assert ours(tokens).logits.shape == theirs(tokens).logits.shape == (2, 32, 97)
+
+
 @pytest.mark.parametrize("bad", [{"repeats": 0}, {"decode": -1}, {"prefill": 2.5}, {"prompt": True}])
 def test_the_model_comparison_names_a_count_it_cannot_take(bad):
     """(repeats=0 failed in statistics.median, after building every model.)"""

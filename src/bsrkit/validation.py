@@ -9,6 +9,7 @@ library catches it.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, TypeGuard
 
 import torch
@@ -174,7 +175,8 @@ def check_scalar(op: str, name: str, value: Any) -> float:
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer that is not a bool: Python's, or numpy's (``numbers.Integral``)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def check_blocksize(op: str, blocksize: Any) -> tuple[int, int]:

@@ -10,11 +10,14 @@ scaled_dot_product_attention`::
 
 The model's mask (causal, sliding window, padding: a bool ``(B, 1, L, S)`` tensor, or None for plain
 causal attention) becomes a bool BSR mask of the largest blocksize of 128, 64, 32, 16 that divides L
-and S, built once per forward (every layer receives the same mask tensor) and cached for as long as that
-tensor lives. Grouped-query attention repeats the key and value heads. A padded query row with nothing
-to attend gives 0 (SDPA's math path gives NaN). Cases it cannot run fall back to transformers' own SDPA
-path with the same arguments: decoding (one query row), no blocksize dividing L and S, float masks,
-position biases, soft-capping, attention weights requested.
+and S, built once per mask tensor (every layer receives the same one) and cached for as long as that
+tensor lives; without a mask (plain causal attention), each layer builds its causal mask (none is kept
+alive: one at L = 8192 holds 34 MB). Grouped-query attention repeats the key and value heads. A padded
+query row with nothing to attend gives 0, as SDPA.
+Cases it cannot run fall back to transformers' own SDPA path with the same arguments: decoding (one query
+row), no blocksize dividing L and S, float masks, position biases, attention weights requested, tensors on
+the meta device. Soft-capping and attention sinks (``s_aux``, ``sinks``), which SDPA cannot apply either,
+raise ``ValueError`` naming ``attn_implementation="eager"`` (they were silently dropped).
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ def _bsr_of(mask: torch.Tensor, blocksize: int) -> torch.Tensor:
     return mask_from_dense(mask, blocksize)
 
 
+# Keywords that change the attention and that neither path applies (soft-capping: Gemma 2; sinks: GPT-OSS).
+_NOT_APPLIED = {"softcap": "soft-capping", "s_aux": "attention sinks", "sinks": "attention sinks"}
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -62,12 +69,18 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: ``query`` ``(B, H, L, D)``, ``key``/``value``
     ``(B, Hkv, S, D)``; returns ``(output (B, L, H, Dv), None)`` as ``sdpa_attention_forward`` does."""
+    for name in _NOT_APPLIED:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"bsrkit attention: {name}= ({_NOT_APPLIED[name]}) is applied neither by bsrkit's attention "
+                "nor by SDPA, its fallback: load the model with attn_implementation='eager'"
+            )
     L, S = query.shape[2], key.shape[2]
     blocksize = None if L == 1 else _blocksize(L, S)  # (a decode step's one row: SDPA, at once)
     unsupported = (
         blocksize is None
+        or query.is_meta
         or kwargs.get("position_bias") is not None
-        or kwargs.get("softcap") is not None
         or kwargs.get("output_attentions", False)
         or (attention_mask is not None and attention_mask.dtype != torch.bool)
     )
