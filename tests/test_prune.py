@@ -199,3 +199,17 @@ def test_a_frozen_layer_is_named_and_leaves_no_hook():
         filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and m.weight.requires_grad,
     )  # fmt: skip
     assert list(pruner.densities()) == ["0"]
+
+
+def test_steps_must_be_ints_and_a_loaded_mask_bool():
+    model = nn.Sequential(nn.Linear(8, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = {"start_step": 0, "end_step": 4, "every": 1}
+    for name in steps:
+        with pytest.raises(TypeError, match=f"expected {name} to be an int, got float"):
+            GradualPruner(model, optimizer, blocksize=4, target_density=0.5, **{**steps, name: 1.5})
+    pruner = GradualPruner(model, optimizer, blocksize=4, target_density=0.5, **steps)
+    state = pruner.state_dict()
+    state["masks"]["0"] = torch.zeros(2, 2)  # (cast with bool(), every block would be kept)
+    with pytest.raises(ValueError, match="expected a bool mask for '0', got torch.float32"):
+        pruner.load_state_dict(state)

@@ -59,7 +59,7 @@ from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
 from bsrkit.regrow import DenseGradient, GradientRecord, RigL, drop_and_grow
 from bsrkit.sparsify import break_even_density, check_selected, default_filter
-from bsrkit.validation import check_blocksize, check_density
+from bsrkit.validation import check_blocksize, check_density, check_size
 
 __all__ = ["GradualPruner", "RigL", "cubic_density"]
 
@@ -149,6 +149,8 @@ class GradualPruner:
         op = "GradualPruner()"
         bo, bi = check_blocksize("GradualPruner", blocksize)
         check_density("GradualPruner", target_density, "target_density")
+        for name, value in (("start_step", start_step), ("end_step", end_step), ("every", every)):
+            check_size(op[:-2], name, value)  # (an int: 1.5 steps would never be reached)
         if not (0 <= start_step < end_step) or every < 1:
             raise ValueError(
                 f"{op}: expected 0 <= start_step < end_step and every >= 1, got start_step={start_step}, "
@@ -405,6 +407,8 @@ class GradualPruner:
                     raise ValueError(
                         f"{op}: expected a {tuple(like.shape)} {what} for {layer.fqn!r}, got {got}"
                     )
+                if what == "mask" and t.dtype is not torch.bool:  # (a float mask would cast to all True)
+                    raise ValueError(f"{op}: expected a bool mask for {layer.fqn!r}, got {t.dtype}")
         self.steps = int(state["steps"])
         self.finalized = bool(state.get("finalized", False))
         sparse = state.get("sparse", {})  # (absent from checkpoints before block-sparse training)
