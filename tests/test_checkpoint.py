@@ -257,6 +257,18 @@ def test_errors_name_what_does_not_match(tmp_path):
         load_sparse(lambda: _with_layer(MLP(), "extra", nn.Linear(4, 4)), path)
     with pytest.raises(ValueError, match="reserved"):
         save_sparse(model, tmp_path / "other.safetensors", metadata={"bsrkit": "{}"})
+    with pytest.raises(ValueError, match="'format' is reserved"):  # (it was overwritten with 'pt')
+        save_sparse(model, tmp_path / "other.safetensors", metadata={"format": "mine"})
+    import json
+
+    from safetensors.torch import load_file
+
+    record = read_sparse_metadata(path)
+    del record["layers"]["layers.0"]["nnz"]
+    crafted = tmp_path / "crafted.safetensors"
+    save_file(load_file(path), crafted, metadata={"format": "pt", "bsrkit": json.dumps(record)})
+    with pytest.raises(ValueError, match=r"layer 'layers.0' lacks \['nnz'\]"):  # (a raw KeyError)
+        load_sparse(MLP, crafted)
 
 
 def _with_layer(model, fqn, layer):

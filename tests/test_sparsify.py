@@ -325,3 +325,13 @@ def test_a_layer_that_cannot_be_converted_leaves_the_model_unchanged():
     with pytest.raises(ValueError, match="meta device"):
         sparsify_(model, blocksize=4, density=0.25, force=True)
     assert [type(m) for m in model] == before
+
+
+def test_a_selection_holding_one_of_two_tied_layers_is_refused():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    model[2].weight = model[0].weight
+    with pytest.raises(ValueError, match="selected '2' but not '0', which shares its weight"):
+        sparsify_(model, blocksize=4, density=0.5, force=True, filter_fn=lambda m, fqn: fqn == "2")
+    assert isinstance(model[0], nn.Linear) and isinstance(model[2], nn.Linear)
+    sparsify_(model, blocksize=4, density=0.5, force=True)
+    assert model[0].values is model[2].values

@@ -95,8 +95,9 @@ def save_sparse(
             "swaps layers inside a model): save the model that holds it, or the layer's state_dict with "
             "torch.save"
         )
-    if metadata is not None and METADATA_KEY in metadata:
-        raise ValueError(f"save_sparse(): the metadata key {METADATA_KEY!r} is reserved for bsrkit's record")
+    for reserved, why in ((METADATA_KEY, "bsrkit's record"), ("format", "safetensors' framework, 'pt'")):
+        if metadata is not None and reserved in metadata:  # (it would be overwritten, silently)
+            raise ValueError(f"save_sparse(): the metadata key {reserved!r} is reserved for {why}")
     layers = {
         fqn: {
             "in_features": m.in_features,
@@ -152,7 +153,19 @@ def read_sparse_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         got = record.get("format") if isinstance(record, dict) else record
         raise ValueError(f"load_sparse(): expected bsrkit checkpoint format {FORMAT}, got {got!r}")
+    layers = record.get("layers")
+    for fqn, spec in layers.items() if isinstance(layers, dict) else [("layers", layers)]:
+        lacking = sorted(_LAYER_KEYS - set(spec)) if isinstance(spec, dict) else sorted(_LAYER_KEYS)
+        if lacking:
+            raise ValueError(
+                f"load_sparse(): malformed {METADATA_KEY!r} metadata in {os.fspath(path)!r}: layer {fqn!r} "
+                f"lacks {lacking}"
+            )
     return record
+
+
+# What save_sparse records of each layer.
+_LAYER_KEYS = frozenset({"in_features", "out_features", "blocksize", "nnz", "bias"})
 
 
 @contextlib.contextmanager

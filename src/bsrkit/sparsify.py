@@ -14,7 +14,7 @@ this machine: when ``density`` is at or above the break-even density of its devi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -169,6 +169,26 @@ class SparsifySummary:
         return "\n".join(lines)
 
 
+def _check_ties_whole(
+    chosen: list[tuple[str, nn.Module, list[str]]], places: Iterable[tuple[nn.Module, list[str]]]
+) -> None:
+    """Refuse a selection holding one of two linear layers that share a weight (tied): the one made
+    block-sparse would no longer share it with the other, silently."""
+    picked = {id(m) for _, m, _ in chosen}
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for module, fqns in places:
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, nn.Linear) or _is_conv1d(module)) and isinstance(weight, torch.Tensor):
+            holders.setdefault(id(weight), []).append((fqns[0], module))
+    for fqn, module, _ in chosen:
+        for other_fqn, other in holders.get(id(getattr(module, "weight", None)), []):
+            if id(other) not in picked:
+                raise ValueError(
+                    f"sparsify_(): filter_fn selected {fqn!r} but not {other_fqn!r}, which shares its weight "
+                    "(tied): select both (they stay tied, block-sparse) or neither"
+                )
+
+
 def _as_linear(module: nn.Module) -> nn.Linear:
     """An ``nn.Linear`` view of a Conv1D's weight (transposed copy) and bias, for the pruning."""
     weight: torch.Tensor = module.weight  # type: ignore[assignment]
@@ -224,7 +244,9 @@ def sparsify_(
     selected = filter_fn or default_filter((bo, bi), model)
     # Every place of each module (one used at several places gets the one sparse layer at all of them),
     # judged by the filter under its first name, as named_modules() lists it.
-    chosen = [(fqns[0], m, fqns) for m, fqns in module_places(model).values() if selected(m, fqns[0])]
+    places = module_places(model).values()
+    chosen = [(fqns[0], m, fqns) for m, fqns in places if selected(m, fqns[0])]
+    _check_ties_whole(chosen, places)
     reports: list[LayerReport] = []
     dense_weights = stored_weights = 0
     # The first sparse layer built from each weight, by orientation: a later module holding the same
