@@ -349,3 +349,78 @@ def test_values_used_in_two_products_of_one_graph_through_one_wrapper_each():
     ((dense @ x1).square().sum() + (dense.mT @ x2).sum()).backward()
     expected = dense.grad.reshape(4, 4, 3, 4).transpose(1, 2)[reference.block_mask(bsr)[::4, ::4]]
     torch.testing.assert_close(values.grad, expected)
+
+
+def _through_a_conjugate(y):
+    """A loss whose backward hands ``y`` a negative view: the imaginary part of a conjugate."""
+    z = torch.complex(torch.zeros_like(y), y).conj()
+    c = torch.complex(torch.ones_like(y), torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape))
+    return (z * c).real.sum()
+
+
+def test_an_incoming_gradient_with_the_negative_bit_is_read_as_its_value():
+    """The kernels read memory: a negative view as the gradient gave the negated gradient (values of a
+    matrix-vector product, the composed and fused attention)."""
+    bsr = random_bsr((8, 12), (2, 3), 0.6, dtype=torch.float64)
+    x = torch.randn(12, 1, dtype=torch.float64)
+    seen = []
+    for product in (bsrkit.bsr_dense_mm, lambda b, d: reference.bsr_dense_mm(b, d)):
+        v = bsr.values().clone().requires_grad_()
+        y = product(torch.sparse_bsr_tensor(bsr.crow_indices(), bsr.col_indices(), v, size=bsr.shape), x)
+        if not seen:
+            y.register_hook(lambda g: seen.append(g.is_neg()))
+        _through_a_conjugate(y).backward()
+        seen.append(v.grad)
+    assert seen[0] is True
+    torch.testing.assert_close(seen[1], seen[2])
+    mask = bsrkit.sliding_window_mask(16, 4, 4)
+    g = torch.Generator().manual_seed(0)
+    q, k, val = (torch.randn(2, 16, e, dtype=torch.float64, generator=g) for e in (4, 4, 1))
+    for scale in (2.0, None):  # (2.0: the composed path; None: the fused CPU loops)
+        ours = [t.clone().requires_grad_() for t in (q, k, val)]
+        theirs = [t.clone().requires_grad_() for t in (q, k, val)]
+        _through_a_conjugate(bsrkit.scaled_dot_product_attention(*ours, mask, scale=scale)).backward()
+        _through_a_conjugate(reference.scaled_dot_product_attention(*theirs, mask, scale=scale)).backward()
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("op", ["mm", "transposed"])
+def test_pattern_written_between_forward_and_backward_is_refused(op):
+    """The backward would differentiate another matrix (torch refuses a saved tensor written in place the
+    same way); rewriting the same pattern is no change."""
+    bsr = random_bsr((8, 12), (2, 3), 0.5, dtype=torch.float64)
+    crow, col = bsr.crow_indices().clone(), bsr.col_indices().clone()
+    x = torch.randn(8 if op == "transposed" else 12, 4, dtype=torch.float64)
+    for write, refused in ((col.clone(), False), ((col + 1) % 4, True)):
+        v = bsr.values().clone().requires_grad_()
+        b = torch.sparse_bsr_tensor(crow, col, v, size=bsr.shape)
+        y = bsrkit.bsr_dense_mm(b, x) if op == "mm" else bsrkit.bsr_transposed_dense_mm(b, x)
+        col.numpy()[:] = write.numpy()  # (no version counter moves)
+        if refused:
+            with pytest.raises(RuntimeError, match="written in place between the forward and the backward"):
+                y.square().sum().backward()
+        else:
+            y.square().sum().backward()
+        col.copy_(bsr.col_indices())
+
+
+@pytest.mark.parametrize("op", ["mm", "softmax"])
+def test_backward_inside_a_compiled_function(op):
+    """A compiled training step (backward inside the compiled function): the backward reaches the
+    compiled loops, which run eagerly (Dynamo failed in it)."""
+    bsr = random_bsr((12, 12), (2, 3), 0.5, dtype=torch.float64)
+    x = torch.randn(12, 5, dtype=torch.float64)
+
+    def step(v):
+        b = torch.sparse_bsr_tensor(bsr.crow_indices(), bsr.col_indices(), v, size=bsr.shape)
+        y = bsrkit.bsr_dense_mm(b, x) if op == "mm" else bsrkit.bsr_softmax(b).values()
+        loss = y.square().sum()
+        loss.backward()
+        return loss.detach()
+
+    torch._dynamo.reset()
+    compiled, eager = (bsr.values().clone().requires_grad_() for _ in range(2))
+    torch.compile(step, backend="eager")(compiled)
+    step(eager)
+    torch.testing.assert_close(compiled.grad, eager.grad)

@@ -343,6 +343,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         call: _Call = ctx.call
         query, key, value, x, y = ctx.saved_tensors
+        grad = resolved(grad)  # (a negative view: the kernels read memory)
         if ctx.was_fused:
             assert call.fused is not None
             result = call.fused.attention_backward(

@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bsrkit import dispatch
+from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
+from bsrkit.validation import resolved
 
 if TYPE_CHECKING:
     from bsrkit.backends.base import Backend
@@ -135,6 +137,30 @@ def sampled(pattern: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, alpha
     return SampledAddmm.apply(op, backend, pattern, a, mat1, mat2, batch, 0.0, alpha)
 
 
+def _forward_pattern(a: Operand | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The validated ``(crow, col)`` a forward computed with, on the CPU (where its hits compare the index
+    data), for :func:`_check_unchanged`; None without stored blocks or off the CPU."""
+    if a is None or a.pattern is None or a.crow.device.type != "cpu":
+        return None
+    return a.pattern.indices
+
+
+def _check_unchanged(
+    saved: tuple[torch.Tensor, torch.Tensor] | None, bsr: torch.Tensor, op: str, name: str
+) -> None:
+    """Refuse a backward whose BSR operand's pattern was written in place after its forward (the gradient
+    would be another matrix's: torch refuses a saved tensor written in place the same way)."""
+    if saved is None:
+        return
+    crow, col = Operand.of(bsr, op, name).kernel_indices()
+    if (crow is saved[0] and col is saved[1]) or (torch.equal(crow, saved[0]) and torch.equal(col, saved[1])):
+        return
+    raise RuntimeError(
+        f"{op}(): {name}'s index data were written in place between the forward and the backward (its "
+        "gradient would be another matrix's): write a copy, or run the forward again"
+    )
+
+
 class BsrDenseAddmm(torch.autograd.Function):
     r"""``beta * input + left * (alpha * op(bsr) @ dense) * right`` with gradients for every tensor.
 
@@ -166,15 +192,21 @@ class BsrDenseAddmm(torch.autograd.Function):
         out = torch.empty((*batch, M, dense.shape[-1]), dtype=dense.dtype, device=dense.device)
         dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
         ctx.save_for_backward(bsr, dense, left, right)
+        # (a transposed operand's indices are its plan's: the pattern is bsr's own operand's)
+        ctx.pattern = _forward_pattern(None if a is None else Operand.of(bsr, op) if transpose else a)
+        ctx.op = op
         ctx.scalars = (beta, alpha, transpose)
         ctx.input_shape = None if input is None else input.shape
         ctx.meta = meta
         return out
 
     @staticmethod
+    @eager_under_compile  # (a backward run inside a compiled frame reaches the compiled loops too)
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         bsr, dense, left, right = ctx.saved_tensors
         beta, alpha, transpose = ctx.scalars
+        grad = resolved(grad)  # (a negative view: the kernels read memory)
+        _check_unchanged(ctx.pattern, bsr, ctx.op, "bsr")
         grad_input = grad_bsr = grad_dense = grad_left = grad_right = None
         if ctx.needs_input_grad[2] and ctx.input_shape is not None:
             grad_input = _sum_to(grad * beta, ctx.input_shape)
@@ -225,12 +257,16 @@ class SampledAddmm(torch.autograd.Function):
             values.add_(in_values.expand(*batch, *in_values.shape[-3:]), alpha=beta)
         ctx.save_for_backward(input, mat1, mat2)
         ctx.scalars = (beta, alpha)
+        ctx.pattern, ctx.op = _forward_pattern(a), op
         return values
 
     @staticmethod
+    @eager_under_compile
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         input, mat1, mat2 = ctx.saved_tensors
         beta, alpha = ctx.scalars
+        grad = resolved(grad)  # (a negative view: the kernels read memory)
+        _check_unchanged(ctx.pattern, input, ctx.op, "input")
         if torch.is_grad_enabled() and not grad.requires_grad and (mat1.requires_grad or mat2.requires_grad):
             warnings.warn(SECOND_ORDER_WARNING, UserWarning, stacklevel=2)
         grad_input = grad_mat1 = grad_mat2 = None

@@ -20,7 +20,7 @@ import torch
 from bsrkit import autograd, dispatch
 from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
-from bsrkit.validation import check_bsr
+from bsrkit.validation import check_bsr, resolved
 
 if TYPE_CHECKING:
     from bsrkit.backends.base import Backend
@@ -76,6 +76,7 @@ class BsrSoftmax(torch.autograd.Function):
         return y
 
     @staticmethod
+    @eager_under_compile  # (a backward run inside a compiled frame reaches the compiled loops too)
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         if torch.is_grad_enabled():
             # Under create_graph: the gradient first_order_only marks reaches the BSR input's values
@@ -88,6 +89,7 @@ class BsrSoftmax(torch.autograd.Function):
 @autograd.first_order_only("bsr_softmax")
 def _first_order_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     (y,) = ctx.saved_tensors
+    grad = resolved(grad)  # (a negative view: the kernels read memory)
     return dispatch.softmax_backward(ctx.backend, ctx.a, y, grad), None, None
 
 
