@@ -424,3 +424,22 @@ def test_backward_inside_a_compiled_function(op):
     torch.compile(step, backend="eager")(compiled)
     step(eager)
     torch.testing.assert_close(compiled.grad, eager.grad)
+
+
+def test_forward_mode_ad_is_refused_not_dropped():
+    """A tangent was dropped silently (the result had none); torch's sparse products raise too."""
+    import torch.autograd.forward_ad as forward_ad
+
+    bsr = random_bsr((8, 8), (2, 2), 0.5, dtype=torch.float64)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        for call in (
+            lambda: bsrkit.bsr_dense_mm(bsr, dual),
+            lambda: bsrkit.bsr_transposed_dense_mm(bsr, dual),
+            lambda: bsrkit.bsr_dense_addmm(dual, bsr, x),
+            lambda: bsrkit.sampled_addmm(bsr, dual, x.mT.contiguous()),
+        ):
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                call()
+        assert bsrkit.bsr_dense_mm(bsr, x).shape == (8, 3)  # (no tangent: runs)
