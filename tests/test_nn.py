@@ -873,3 +873,23 @@ def test_under_autocast_as_nn_linear(low):
     wide = BSRLinear(64, 32, 16, density=0.5, dtype=torch.float64)
     with torch.autocast("cpu", low):
         assert wide(x.double()).dtype == torch.float64
+
+
+def test_conversion_that_swaps_parameters_in_place():
+    """torch.__future__.set_swap_module_params_on_conversion(True): .double() swaps the values Parameter
+    in place (torch.utils.swap_tensors), which refuses a tensor with weak references: the kept weight's
+    held one, so every conversion of a used layer failed."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        layer = BSRLinear(16, 16, 4, density=0.5)
+        x = torch.randn(2, 16)
+        y = layer(x).detach()
+        values = layer.values
+        layer.double()
+        assert layer.values is values and values.dtype == torch.float64  # (swapped in place)
+        torch.testing.assert_close(layer(x.double()), y.double())
+        layer.float()
+        torch.testing.assert_close(layer(x), y)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)

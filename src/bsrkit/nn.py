@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bsrkit import custom_ops, dispatch
+from bsrkit import custom_ops, dispatch, shortcuts
 from bsrkit.validation import (
     ArgumentTypeError,
     check_blocksize,
@@ -175,6 +175,14 @@ class BSRLinear(nn.Module):
             size=(self.out_features, self.in_features),
             check_invariants=False,
         )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> BSRLinear:
+        # (a conversion may swap the values Parameter in place, torch.utils.swap_tensors, which refuses a
+        # tensor with weak references: the kept weight's goes first; the next forward keeps a new one)
+        values = self._parameters.get("values")
+        if values is not None:
+            shortcuts.forget_weight(values)
+        return super()._apply(fn, recurse)
 
     def to_dense(self) -> torch.Tensor:
         """The weight as a dense ``(out_features, in_features)`` tensor."""

@@ -313,6 +313,12 @@ def kept_weight(
     return bsr, calls
 
 
+def forget_weight(values: torch.Tensor) -> None:
+    """Drop the kept weight of ``values`` (and its weak reference: ``torch.utils.swap_tensors``, which a
+    module conversion may use, refuses a tensor that has one)."""
+    _weights.pop(id(values), None)
+
+
 def keep_weight_call(calls: dict[Any, WeightCall], key: tuple[Any, ...], checked: CheckedCall) -> None:
     """Keep ``checked`` in a kept weight's table (:func:`kept_weight`)."""
     if len(calls) >= CALLS_PER_PATTERN:
