@@ -616,3 +616,71 @@ def test_a_tensor_that_cannot_be_keyed_is_named(make):
         f(make())
     with pytest.raises(TypeError, match="weak_lru_cache: argument 'y'"):
         f(torch.ones(2), y=make())
+
+
+def test_a_caller_waiting_for_another_threads_computation_gets_a_proven_value():
+    """The owner's snapshot may predate a write no version counter saw (numpy): the waiter, which started
+    after it, must not take the value derived from the old data (it did, unproven)."""
+    started, release = threading.Event(), threading.Event()
+
+    @weak_lru_cache(verify_contents=True)
+    def total(t):
+        s = float(t.sum())  # (the snapshot's copy, taken before this runs)
+        started.set()
+        release.wait(10)
+        return torch.tensor(s)
+
+    t = torch.zeros(4)
+    owner = threading.Thread(target=lambda: total(t))
+    owner.start()
+    assert started.wait(10)
+    t.numpy()[:] = 1.0  # (after the owner's snapshot; no version counter moves)
+    threading.Timer(0.3, release.set).start()
+    got = total(t)  # (waits for the owner)
+    owner.join(10)
+    assert float(got) == 4.0
+    assert float(total(t)) == 4.0 and total.cache_info().stale == 1
+
+
+def test_a_given_tensor_key_reads_its_tensors_versions_now():
+    """A TensorKey passed in its tensor's place: an in-place change through the tensor since the key was
+    made is a miss (its recorded versions are those of its creation), strided and BSR, also inside a
+    tuple argument."""
+
+    @weak_lru_cache(maxsize=None)
+    def total(k):
+        return (k[0] if isinstance(k, tuple) else k).obj.sum()  # (the function gets the key itself)
+
+    x = torch.ones(4)
+    key = TensorKey(x)
+    assert float(total(key)) == 4.0
+    x.add_(1)
+    assert float(total(key)) == 8.0 and float(total((key,))) == 8.0
+    x.add_(1)
+    assert float(total((key,))) == 12.0
+
+    @weak_lru_cache(maxsize=None)
+    def columns(k):
+        return k.obj.col_indices().clone()
+
+    bsr = torch.eye(4).to_sparse_bsr((2, 2))
+    key = TensorKey(bsr)
+    assert columns(key).tolist() == [0, 1]
+    bsr.col_indices().copy_(torch.tensor([1, 0]))
+    assert columns(key).tolist() == [1, 0]
+
+
+def test_cache_clear_empties_the_attention_caches_too():
+    import bsrkit
+    from bsrkit import attention, mask_bias, plans
+
+    mask = bsrkit.sliding_window_mask(32, 8, 8)
+    float_mask = torch.sparse_bsr_tensor(
+        mask.crow_indices(), mask.col_indices(), torch.randn(mask.values().shape), size=mask.shape
+    )
+    q = torch.randn(2, 1, 32, 8)
+    bsrkit.scaled_dot_product_attention(q, q, q, float_mask)
+    assert mask_bias._cached.cache_info().currsize
+    bsrkit.cache_clear()
+    for fn in (mask_bias._cached, attention._expanded_pattern, plans._plan):
+        assert fn.cache_info().currsize == 0 and fn.cache_info().misses == 0

@@ -46,7 +46,7 @@ import torch
 
 from bsrkit import autograd, dispatch
 from bsrkit.backends.base import Backend, FusedAttention, fused_attention
-from bsrkit.cache import weak_lru_cache
+from bsrkit.cache import library_cache, weak_lru_cache
 from bsrkit.eager import eager_under_compile
 from bsrkit.environment import getenv
 from bsrkit.mask_bias import BlockBias, cached_block_bias
@@ -250,6 +250,7 @@ def _check_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
         )
 
 
+@library_cache
 @weak_lru_cache(maxsize=64, verify_contents=True)
 def _expanded_pattern(mask: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
     # Broadcast views of copies of the mask's indices, cached so that the plans keyed on them live with

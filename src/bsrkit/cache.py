@@ -210,7 +210,7 @@ class _Entry:
 class _InFlight:
     """A computation in progress: other callers with the same key wait for it instead of recomputing."""
 
-    __slots__ = ("error", "latch", "ok", "owner", "value", "version")
+    __slots__ = ("error", "latch", "ok", "owner", "proof", "value", "version")
 
     def __init__(self, version: tuple[int, ...]) -> None:
         self.version = version  # the argument versions this computation started from
@@ -221,6 +221,7 @@ class _InFlight:
         self.latch.acquire()
         self.ok = False
         self.value: Any = None
+        self.proof: Snapshot | None = None  # (what the value was derived from: a waiter proves it too)
         self.error: BaseException | None = None
 
 
@@ -335,7 +336,12 @@ class _CacheState:
                     pass
                 if pending.version == version:
                     if pending.ok:
-                        return pending.value
+                        # (the owner's snapshot may predate a write no counter saw: proven as a hit is)
+                        if pending.proof is None or pending.proof.unchanged():
+                            return pending.value
+                        with self.lock:
+                            self.hits -= 1  # (not a hit: the entry it left is found stale next)
+                        continue
                     if isinstance(pending.error, Exception):
                         raise pending.error
                 # The computation started before an in-place change (stale for us), or its owner was
@@ -345,7 +351,7 @@ class _CacheState:
             assert mine is not None
             value, proof = self._compute(args, kwargs)
             self._insert(key, keys, value, version, proof)
-            mine.value = value
+            mine.value, mine.proof = value, proof
             mine.ok = True
             return value
         except Exception as exc:
@@ -487,6 +493,23 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, dict):
         return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
+
+
+# The cache_clear of each of bsrkit's own memoized functions (the plans, the attention's block biases and
+# broadcast patterns, the transformers integration's masks): bsrkit.cache_clear() empties them all.
+_library_caches: list[Callable[[], None]] = []
+
+
+def library_cache(fn: F) -> F:
+    """Mark a :func:`weak_lru_cache` function as one of bsrkit's own (see :func:`clear_library_caches`)."""
+    _library_caches.append(fn.cache_clear)  # type: ignore[attr-defined]
+    return fn
+
+
+def clear_library_caches() -> None:
+    """Empty every cache marked with :func:`library_cache` and reset its statistics."""
+    for clear in _library_caches:
+        clear()
 
 
 def weak_lru_cache(

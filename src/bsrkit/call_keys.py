@@ -26,6 +26,20 @@ class Uncacheable(Exception):
 UNCACHEABLE: Any = object()
 
 
+def _given_key(key: TensorKey, name: Any, keys: list[TensorKey], version: list[int]) -> TensorKey:
+    """A :class:`TensorKey` the caller passes in its tensor's place, with its tensor's versions as they
+    are now (the key's own are those of its creation: an in-place change since would be no miss)."""
+    t = key.obj
+    current = key.current_version()
+    if t is None or current is None:
+        raise ValueError(f"weak_lru_cache: argument {_describe(name)} is the TensorKey of a dead tensor")
+    if t.is_inference():
+        raise Uncacheable
+    keys.append(key)
+    version.extend(current)
+    return key
+
+
 def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) -> Any:
     """``value`` as a key component. ``name`` (an index or keyword) only serves the error message."""
     if isinstance(value, torch.Tensor):
@@ -37,6 +51,8 @@ def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) 
         return k
     if type(value) in _SCALARS:
         return _scalar_part(value)
+    if type(value) is TensorKey:
+        return _given_key(value, name, keys, version)
     if isinstance(value, tuple):
         return tuple(_key_part(v, (name, i), keys, version) for i, v in enumerate(value))
     try:
@@ -103,14 +119,7 @@ def make_key(
             elif type(a) in _SCALARS:
                 parts.append(_scalar_part(a))
             elif type(a) is TensorKey:  # built by the caller, who holds its tensor
-                t = a.obj
-                if t is None:
-                    raise ValueError(f"weak_lru_cache: argument #{i} is the TensorKey of a dead tensor")
-                if t.is_inference():
-                    raise Uncacheable
-                keys.append(a)
-                version += a.version
-                parts.append(a)
+                parts.append(_given_key(a, i, keys, version))
             else:
                 parts.append(_key_part(a, i, keys, version))
         if kwargs:

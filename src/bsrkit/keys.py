@@ -150,6 +150,24 @@ class TensorKey:
         so the key, may live on in other tensors)."""
         return self._ref()
 
+    def current_version(self) -> tuple[int, ...] | None:
+        """The version counters :attr:`version` recorded, read again now from the key's tensor (an
+        in-place change through it since the key was made moves them), or None once that tensor is
+        gone."""
+        t = self._ref()
+        if t is None:
+            return None
+        if not self.version:  # (inference tensors: no counters)
+            return ()
+        if t.layout is _STRIDED:
+            return (t._version,)
+        c, p = (
+            (t.crow_indices(), t.col_indices())
+            if _COMPRESSED_KINDS[t.layout][0]
+            else (t.ccol_indices(), t.row_indices())
+        )
+        return (c._version, p._version)
+
     @property
     def alive(self) -> bool:
         """Whether the memory the key names is still in use by some tensor."""

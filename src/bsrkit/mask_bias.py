@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from bsrkit import plans
-from bsrkit.cache import weak_lru_cache
+from bsrkit.cache import library_cache, weak_lru_cache
 
 __all__ = ["BlockBias", "after", "block_bias", "cached_block_bias"]
 
@@ -94,6 +94,7 @@ def block_bias(mask: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> Block
     return BlockBias(index.reshape(*values.shape[:-3], nnz), bias, values.shape[:-3])
 
 
+@library_cache
 @weak_lru_cache(maxsize=64, maxbytes=2**28, verify_contents=True)
 def _cached(mask: torch.Tensor, values: torch.Tensor, is_causal: bool, dtype: torch.dtype) -> BlockBias:
     # (mask and values: copies; the mask's own values hold no memory, see weak_lru_cache)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bsrkit.cache import CacheInfo, weak_lru_cache
+from bsrkit.cache import CacheInfo, library_cache, weak_lru_cache
 from bsrkit.freshness import Snapshot
 from bsrkit.keys import TensorKey
 from bsrkit.validation import indices_data_defect, pattern_defect
@@ -58,6 +58,7 @@ Source = Any
 _BUILDERS: dict[str, Callable[..., Any]] = {}
 
 
+@library_cache
 @weak_lru_cache(maxsize=256, verify_contents=True, pass_snapshot=True)
 def _plan(name: str, source: Source, *params: Any, snapshot: Snapshot | None = None) -> Any:
     # (source and params: copies of the index data, taken in ``snapshot``, which the cache passes)

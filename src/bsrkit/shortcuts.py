@@ -70,7 +70,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bsrkit import plans
+from bsrkit import cache, plans
 
 # (Operands and backends are typed Any here: this module sits below both, which use it.)
 Operand = Any
@@ -398,6 +398,8 @@ def clear() -> None:
 
 
 def cache_clear() -> None:
-    """Drop every cached plan and every shortcut, and reset all statistics (``bsrkit.cache_clear``)."""
+    """Drop every cached plan, every shortcut and everything else bsrkit memoizes (the attention's block
+    biases and broadcast patterns, the transformers integration's masks), and reset all statistics
+    (``bsrkit.cache_clear``)."""
     clear()
-    plans.cache_clear()
+    cache.clear_library_caches()  # (the plans among them)

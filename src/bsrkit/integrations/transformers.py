@@ -31,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import bsrkit
 from bsrkit.attention import causal_mask, mask_from_dense
-from bsrkit.cache import weak_lru_cache
+from bsrkit.cache import library_cache, weak_lru_cache
 
 __all__ = ["BLOCKSIZES", "NAME", "attention_forward"]
 
@@ -44,6 +44,7 @@ def _blocksize(L: int, S: int) -> int | None:
     return next((b for b in BLOCKSIZES if L % b == 0 and S % b == 0), None)
 
 
+@library_cache
 @weak_lru_cache(maxsize=8, verify_contents=True)
 def _bsr_of(mask: torch.Tensor, blocksize: int) -> torch.Tensor:
     """The bool BSR mask of a model's dense bool mask, one per mask tensor (the layers share it). A hit

@@ -227,7 +227,15 @@ def _addmm_small(
     full_args = kernel.prepare(args)
     rerun = running.prepared(kernel, full_args, values, dense, out, fill)
     rerun(values, dense, out)
+    if fill is not None and x.numel() * x.element_size() > _KEPT_COPY_MAX_BYTES:
+        return None  # (a kept call would keep its copy of dense alive with it: computed afresh next time)
     return rerun
+
+
+# The largest copy of dense a prepared call of the vector loops keeps (and refills on each rerun): a
+# decode step's columns (K floats) are far below; a large batch of few columns is copied per call instead
+# of being held, up to 16 times per pattern, for as long as the pattern lives.
+_KEPT_COPY_MAX_BYTES = 2**20
 
 
 def _filler(xs: torch.Tensor, transposed: bool) -> Callable[[torch.Tensor], None]:
