@@ -1,6 +1,7 @@
 """Drop-in compatibility with torch.sparse._triton_ops where the two APIs meet: argument names, keyword
 arguments, error classes, indices-data meta, and sampled_addmm's out= and boolean masks."""
 
+import numpy as np
 import pytest
 import torch
 import torch.sparse._triton_ops as torch_ops
@@ -71,8 +72,11 @@ def test_torch_keywords_are_accepted():
     assert_close(bsrkit.bsr_dense_addmm(torch.zeros(32, 16), bsr, dense, **kw), ref, k=32)
     s = bsrkit.sampled_addmm(bsr, torch.randn(32, 4), torch.randn(4, 32), **kw)
     assert s.shape == bsr.shape
-    with pytest.raises(ValueError, match="max_grid"):
-        bsrkit.bsr_dense_mm(bsr, dense, max_grid=(1, 2))
+    for torch_takes in ((8, 8), [None, None, None], (0, None, None)):  # (torch pads and clamps them)
+        assert_close(bsrkit.bsr_dense_mm(bsr, dense, max_grid=torch_takes), ref, k=32)
+    for bad in ((1.5, None), "abc", (True,)):
+        with pytest.raises(ValueError, match="max_grid"):
+            bsrkit.bsr_dense_mm(bsr, dense, max_grid=bad)
 
 
 @pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm"])
@@ -93,3 +97,51 @@ def test_indices_data_meta_equals_torchs(fmt, n, bs, dtype):
         bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt, **given)[-1]
         == torch_ops.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt, **given)[-1]
     )
+
+
+@pytest.mark.parametrize(
+    "coefficient",
+    [np.float32(2.0), np.int64(2), torch.tensor(2.0), True],
+    ids=["np.float32", "np.int64", "0-d", "bool"],
+)
+def test_coefficients_in_every_form_torch_addmm_takes(coefficient):
+    bsr = random_bsr((8, 12), (2, 3), 0.5, dtype=torch.float64)
+    x, inp = torch.randn(12, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    want = torch.addmm(inp, bsr.to_dense(), x, beta=coefficient, alpha=coefficient)
+    torch.testing.assert_close(bsrkit.bsr_dense_addmm(inp, bsr, x, beta=coefficient, alpha=coefficient), want)
+    mat1, mat2 = torch.randn(8, 5, dtype=torch.float64), torch.randn(5, 12, dtype=torch.float64)
+    got = bsrkit.sampled_addmm(bsr, mat1, mat2, beta=coefficient, alpha=coefficient).to_dense()
+    mask = bsr.to_dense() != 0
+    want = torch.where(mask, float(coefficient) * (bsr.to_dense() + mat1 @ mat2), 0.0)
+    torch.testing.assert_close(torch.where(mask, got, 0.0), want)
+    with pytest.raises(ValueError, match="expected alpha not to require grad"):
+        bsrkit.bsr_dense_addmm(inp, bsr, x, alpha=torch.tensor(2.0, requires_grad=True))
+
+
+def test_scatter_mm_bsr_strided_mm_overwrites_as_torch_and_takes_a_list():
+    """torch's "bsr_strided_mm" zeroes the accumulators first (CPU) or stores the tiles (GPU); the other
+    formats add into them, as torch's CPU loops."""
+    bsr = random_bsr((32, 32), (16, 16), 0.5, dtype=torch.float64)
+    other = torch.randn(32, 32, dtype=torch.float64)
+    for fmt in ("bsr_strided_mm", "bsr_strided_mm_compressed"):
+        data = torch_ops.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt)
+        theirs = torch_ops.scatter_mm(
+            bsr.values(), other, data, accumulators=torch.ones(32, 32, dtype=torch.float64)
+        )
+        ours = bsrkit.scatter_mm(
+            bsr.values(), other, list(data), accumulators=torch.ones(32, 32, dtype=torch.float64)
+        )
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_attention_errors_are_value_errors_too_as_torch():
+    q = torch.randn(1, 16, 8)
+    mask = bsrkit.sliding_window_mask(16, 4, 4)
+    for call in (
+        lambda: bsrkit.scaled_dot_product_attention(q, q, q, mask.to_dense()),
+        lambda: bsrkit.scaled_dot_product_attention(q.int(), q.int(), q.int(), mask),
+        lambda: bsrkit.scaled_dot_product_attention(q, q, q, mask, dropout_p="0"),
+        lambda: bsrkit.scaled_dot_product_attention(q, q, q, mask, scale="1"),
+    ):
+        with pytest.raises(ValueError):
+            call()

@@ -60,6 +60,7 @@ from bsrkit.masks import (  # (re-exported: the builders lived here)
 from bsrkit.operand import Operand
 from bsrkit.validation import (
     SUPPORTED_DTYPES,
+    ArgumentTypeError,
     broadcast_batch,
     check_same_device,
     check_same_dtype,
@@ -118,17 +119,21 @@ def scaled_dot_product_attention(
     query, key, value = resolved(query), resolved(key), resolved(value)  # (the kernels read memory)
     # (numbers.Real: numpy's scalars too, as torch's SDPA takes them)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"{_OP}(): expected dropout_p to be a real number, got {type(dropout_p).__name__}")
+        raise ArgumentTypeError(
+            f"{_OP}(): expected dropout_p to be a real number, got {type(dropout_p).__name__}"
+        )
     if not 0 <= dropout_p <= 1:
         raise ValueError(f"{_OP}(): expected dropout_p in [0, 1], got {dropout_p!r}")
     if not isinstance(is_causal, bool):
-        raise TypeError(f"{_OP}(): expected is_causal to be a bool, got {type(is_causal).__name__}")
+        raise ArgumentTypeError(f"{_OP}(): expected is_causal to be a bool, got {type(is_causal).__name__}")
     if scale is None:
         if query.shape[-1] == 0:
             raise ValueError(f"{_OP}(): expected query.shape[-1] > 0 when scale is None (1/sqrt(E)), got 0")
         scale = 1 / math.sqrt(query.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{_OP}(): expected scale to be a real number or None, got {type(scale).__name__}")
+        raise ArgumentTypeError(
+            f"{_OP}(): expected scale to be a real number or None, got {type(scale).__name__}"
+        )
     batch = broadcast_batch(
         _OP,
         ("query", "key", "value", "attn_mask"),
@@ -213,20 +218,20 @@ def _check_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_strided(_OP, name, t)
     if query.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{_OP}(): expected query.dtype in {SUPPORTED_DTYPES}, got {query.dtype}")
+        raise ArgumentTypeError(f"{_OP}(): expected query.dtype in {SUPPORTED_DTYPES}, got {query.dtype}")
     for name, t in (("key", key), ("value", value)):
         check_same_dtype(_OP, name, t, "query", query)
         check_same_device(_OP, name, t, "query", query)
     if not isinstance(attn_mask, torch.Tensor) or attn_mask.layout is not torch.sparse_bsr:
         got = attn_mask.layout if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{_OP}(): expected attn_mask to be a torch.sparse_bsr tensor (its stored blocks bound the "
             f"work; see bsrkit.sliding_window_mask and the other builders), got {got}"
         )
     if attn_mask.dense_dim() != 0:
         raise ValueError(f"{_OP}(): expected attn_mask.dense_dim() == 0, got {attn_mask.dense_dim()}")
     if attn_mask.dtype not in (torch.bool, query.dtype):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{_OP}(): expected attn_mask.dtype to be torch.bool or {query.dtype}, got {attn_mask.dtype}"
         )
     check_same_device(_OP, "attn_mask", attn_mask, "query", query)

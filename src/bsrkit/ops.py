@@ -23,13 +23,13 @@ from bsrkit.validation import (
     ArgumentTypeError,
     broadcast_batch,
     check_bsr,
+    check_coefficient,
     check_dtype,
     check_max_grid,
     check_meta,
     check_out,
     check_same_device,
     check_same_dtype,
-    check_scalar,
     check_strided,
     may_share_memory,
     resolved,
@@ -200,6 +200,10 @@ def checked_addmm(
 
     ``checked``: the :class:`~bsrkit.shortcuts.CheckedCall` of an earlier call with the same metadata
     (:func:`checked_call`), which skips the checks; ``operand``: ``Operand.of(bsr)``, if the caller has it."""
+    if type(alpha) is not float and type(alpha) is not int:  # (numpy's, a bool, a 0-d tensor: a float)
+        alpha = check_coefficient(op, "alpha", alpha)
+    if type(beta) is not float and type(beta) is not int:
+        beta = check_coefficient(op, "beta", beta)
     try:
         if dense.is_neg():
             dense = resolved(dense)  # (the kernels read memory: see validation.resolved)
@@ -356,8 +360,8 @@ def _validate_addmm(
         raise ValueError(
             f"{op}(): expected out=None when an argument requires grad (out= is not differentiable)"
         )
-    beta = check_scalar(op, "beta", beta)
-    alpha = check_scalar(op, "alpha", alpha)
+    beta = check_coefficient(op, "beta", beta)
+    alpha = check_coefficient(op, "alpha", alpha)
     check_bsr(op, "bsr", bsr, dtypes=_ADDMM_DTYPES)
     dense_name = _dense_name(op)
     check_strided(op, dense_name, dense)
@@ -472,8 +476,8 @@ def sampled_addmm(
     Half types are computed in float32. ``skip_checks`` and ``max_grid`` as in :func:`bsr_dense_mm`.
     """
     op = "sampled_addmm"
-    beta = check_scalar(op, "beta", beta)
-    alpha = check_scalar(op, "alpha", alpha)
+    beta = check_coefficient(op, "beta", beta)
+    alpha = check_coefficient(op, "alpha", alpha)
     check_max_grid(op, max_grid)
     check_bsr(op, "input", input, dtypes=(*SUPPORTED_DTYPES, torch.bool))
     mask_only = input.dtype is torch.bool

@@ -117,11 +117,21 @@ def scatter_mm(
       ``r`` (block row ``m = r // N // Ms``, panel ``n = r % N // Ns``) sums ``p in [c_m, c_{m+1})`` with
       ``q = q_offsets[n * c_{m+1} + (SPLIT_N - n) * c_m + (p - c_m)]``.
 
-    ``accumulators`` is accumulated into and returned; when None, a zero tensor is created. Not
-    differentiable (as torch's): an argument that requires grad is refused rather than silently cut off.
+    ``accumulators`` is returned, accumulated into, except in the ``"bsr_strided_mm"`` format, which
+    overwrites them (elements no tile reaches become 0), as torch's does on every device (its CPU loop
+    zeroes them first); when None, a zero tensor is created. ``indices_data`` may be a list, as torch
+    takes it. Not differentiable (as torch's): an argument that requires grad is refused rather than
+    silently cut off.
     """
     _check_no_grad("scatter_mm", blocks=blocks, others=others, accumulators=accumulators)
-    return _scatter_mm("scatter_mm", blocks, others, indices_data, accumulators, overwrite=False)
+    indices_data = _as_tuple(indices_data)
+    overwrite = bool(indices_data) and indices_data[0] == "bsr_strided_mm"
+    return _scatter_mm("scatter_mm", blocks, others, indices_data, accumulators, overwrite=overwrite)
+
+
+def _as_tuple(indices_data: Any) -> Any:
+    """Indices data given as a list (torch unpacks either) as a tuple: the one form checked and cached."""
+    return tuple(indices_data) if isinstance(indices_data, list) else indices_data
 
 
 def _check_no_grad(op: str, **tensors: Any) -> None:
@@ -136,10 +146,15 @@ def _check_no_grad(op: str, **tensors: Any) -> None:
 
 
 def _check_indices_format(op: str, indices_data: Any) -> str:
-    if not isinstance(indices_data, tuple) or not indices_data or indices_data[0] not in _INDICES_FORMATS:
-        got = indices_data[0] if isinstance(indices_data, tuple) and indices_data else indices_data
+    if not isinstance(indices_data, tuple) or not indices_data:
         raise ValueError(
-            f"{op}(): expected indices_data[0] (the indices format) in {_INDICES_FORMATS}, got {got!r}"
+            f"{op}(): expected indices_data to be a tuple (format, ...), got {type(indices_data).__name__}"
+            + (" (empty)" if isinstance(indices_data, tuple) else "")
+        )
+    if indices_data[0] not in _INDICES_FORMATS:
+        raise ValueError(
+            f"{op}(): expected indices_data[0] (the indices format) in {_INDICES_FORMATS}, got "
+            f"{indices_data[0]!r}"
         )
     return str(indices_data[0])
 
@@ -267,6 +282,7 @@ def bsr_scatter_mm(
         check_out(op, out, out_shape, bsr.dtype, bsr.device)
     if bsr._nnz() == 0 or out.numel() == 0:
         return out.zero_()
+    indices_data = _as_tuple(indices_data)
     fmt = _check_indices_format(op, indices_data)
     Ms, Ks = bsr.values().shape[-2:]
     if fmt == "scatter_mm" and N % Ms:

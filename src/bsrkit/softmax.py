@@ -20,7 +20,7 @@ import torch
 from bsrkit import autograd, dispatch
 from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
-from bsrkit.validation import check_bsr, resolved
+from bsrkit.validation import ArgumentTypeError, check_bsr, resolved
 
 if TYPE_CHECKING:
     from bsrkit.backends.base import Backend
@@ -46,7 +46,7 @@ def bsr_softmax(input: torch.Tensor, max_row_nnz: int | None = None) -> torch.Te
     check_bsr(op, "input", input)
     if max_row_nnz is not None:
         if isinstance(max_row_nnz, bool) or not isinstance(max_row_nnz, int):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{op}(): expected max_row_nnz to be an int or None, got {type(max_row_nnz).__name__}"
             )
         if max_row_nnz < 1:

@@ -174,6 +174,26 @@ def check_scalar(op: str, name: str, value: Any) -> float:
     return float(value)
 
 
+def check_coefficient(op: str, name: str, value: Any) -> float:
+    """``alpha``/``beta`` of a product as ``torch.addmm`` takes them: a real number (Python's or numpy's,
+    a bool as 0 or 1) or a 0-d real tensor that does not require grad (its gradient would be dropped), as
+    a float."""
+    if type(value) is float or type(value) is int:
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_complex():
+        if value.requires_grad:
+            raise ValueError(
+                f"{op}(): expected {name} not to require grad (it is a coefficient: its gradient is not "
+                "computed), got a tensor that does"
+            )
+        return float(value.item())
+    if not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(
+            f"{op}(): expected {name} to be a real number or a 0-d tensor, got {type(value).__name__}"
+        )
+    return float(value)
+
+
 def _is_int(v: Any) -> bool:
     """An integer that is not a bool: Python's, or numpy's (``numbers.Integral``)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
@@ -247,17 +267,13 @@ def check_meta(op: str, meta: Any) -> None:
 
 
 def check_max_grid(op: str, max_grid: Any) -> None:
-    """torch's ``max_grid=``: None or a tuple of three ints or Nones."""
+    """torch's ``max_grid=``: None or a tuple or list of ints or Nones (torch reads its first three, pads
+    it with Nones and clamps each to at least 1; bsrkit's grids need no cap, so it is only checked)."""
     if max_grid is None:
         return
-    if (
-        not isinstance(max_grid, tuple)
-        or len(max_grid) != 3
-        or not all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0) for v in max_grid)
-    ):
+    if not isinstance(max_grid, (tuple, list)) or not all(v is None or _is_int(v) for v in max_grid):
         raise ValueError(
-            f"{op}(): expected max_grid to be None or a tuple of three positive ints or Nones, "
-            f"got {max_grid!r}"
+            f"{op}(): expected max_grid to be None or a tuple of ints or Nones, got {max_grid!r}"
         )
 
 
