@@ -135,3 +135,54 @@ def test_products_keep_torchs_thread_count(threads):
     count to NUMBA_NUM_THREADS: a user's torch.set_num_threads(1) must survive the first product."""
     env = {"NUMBA_THREADING_LAYER": None, "NUMBA_NUM_THREADS": "2"}
     assert run_python(["-c", THREADS_SCRIPT, threads], env=env, timeout=120).json() == [threads] * 5
+
+
+FORK_DURING_A_PRODUCT = textwrap.dedent(
+    """
+    import json, os, threading, time, warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import bsrkit
+
+    torch.set_num_threads(1)
+    b = torch.randn(256, 256, dtype=torch.float64).to_sparse_bsr((32, 32))
+    d = torch.randn(256, 16, dtype=torch.float64)
+    want = b.to_dense() @ d
+    bsrkit.bsr_dense_mm(b, d)
+    stop = False
+
+    def spin():  # another thread inside products (and the cache's locks) when the fork comes
+        while not stop:
+            bsrkit.bsr_dense_mm(b, torch.randn(256, 16, dtype=torch.float64))
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    time.sleep(0.2)
+    hung = wrong = 0
+    for _ in range(8):
+        pid = os.fork()
+        if pid == 0:
+            ok = bool(torch.allclose(bsrkit.bsr_dense_mm(b, d), want))
+            os._exit(0 if ok else 1)
+        for _ in range(100):  # (10 s)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                wrong += status != 0
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            hung += 1
+    stop = True
+    thread.join()
+    print(json.dumps({"hung": hung, "wrong": wrong}))
+    """
+)
+
+
+def test_a_child_forked_while_another_thread_runs_a_product():
+    """The child has only the forking thread: the kernel lock (and the caches' locks) another thread held
+    at the fork stayed held, and the child's first product hung (2-4 of 5 children)."""
+    report = run_python(FORK_DURING_A_PRODUCT, env={"OMP_NUM_THREADS": "1"}, timeout=180).json()
+    assert report == {"hung": 0, "wrong": 0}

@@ -51,3 +51,13 @@ def test_shape_and_dtype_are_checked():
     assert reference.mismatch(torch.ones(3, 4).half(), expected.double(), torch.float16) is None
     with pytest.raises(AssertionError, match="entries differ"):
         reference.assert_close(torch.zeros(3, 4), expected)
+
+
+def test_the_oracles_take_a_batch_of_size_zero():
+    bsr = torch.sparse_bsr_tensor(
+        torch.zeros(0, 3, dtype=torch.int64), torch.zeros(0, 1, dtype=torch.int64),
+        torch.randn(0, 1, 2, 2, dtype=torch.float64), size=(0, 4, 4),
+    )  # fmt: skip
+    dense = torch.randn(0, 4, 3, dtype=torch.float64)
+    assert reference.bsr_dense_mm(bsr, dense).shape == (0, 4, 3)
+    assert reference.bsr_to_dense(bsr).shape == (0, 4, 4)

@@ -38,6 +38,7 @@ counting it).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import types
 import weakref
@@ -228,6 +229,15 @@ class _InFlight:
 _MISSING = object()
 
 
+def _fresh_locks_in_child() -> None:
+    """A forked child has only the forking thread: a cache lock another thread of the parent held at the
+    fork, or a computation it had in flight (whose latch no thread of the child will release), would
+    stay so for ever. New locks, and no computation in flight (a caller computes again)."""
+    for state in list(_STATES):
+        state.lock = threading.Lock()
+        state.inflight = {}
+
+
 class _CacheState:
     def __init__(
         self,
@@ -245,6 +255,7 @@ class _CacheState:
         self.entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.inflight: dict[Hashable, _InFlight] = {}
         self.lock = threading.Lock()
+        _STATES.add(self)
         # Death notices of entries' storages, appended by weakref callbacks (without the lock); the
         # lock holder removes their entries (see _sweep).
         self.dead: deque[_DeathNotice] = deque()
@@ -498,6 +509,12 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 # The cache_clear of each of bsrkit's own memoized functions (the plans, the attention's block biases and
 # broadcast patterns, the transformers integration's masks): bsrkit.cache_clear() empties them all.
 _library_caches: list[Callable[[], None]] = []
+
+
+# Every cache's state, for _fresh_locks_in_child.
+_STATES: weakref.WeakSet[_CacheState] = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_in_child)
 
 
 def library_cache(fn: F) -> F:

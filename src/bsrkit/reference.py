@@ -99,9 +99,10 @@ def bsr_to_dense(bsr: torch.Tensor) -> torch.Tensor:
     values = bsr.values()
     Ms, Ks = values.shape[-2:]
     batch = bsr.shape[:-2]
-    crow = bsr.crow_indices().reshape(-1, M // Ms + 1) if Ms else bsr.crow_indices().reshape(-1, 1)
-    col = bsr.col_indices().reshape(crow.shape[0], -1)
-    vals = values.reshape(crow.shape[0], -1, Ms, Ks)
+    nb = math.prod(batch)  # (explicit sizes: -1 cannot be inferred for a batch of size 0)
+    crow = bsr.crow_indices().reshape(nb, M // Ms + 1 if Ms else 1)
+    col = bsr.col_indices().reshape(nb, bsr.col_indices().shape[-1])
+    vals = values.reshape(nb, values.shape[-3], Ms, Ks)
     dense = torch.zeros((crow.shape[0], M, K), dtype=bsr.dtype, device=bsr.device)
     for b in range(crow.shape[0]):
         for i in range(crow.shape[1] - 1):

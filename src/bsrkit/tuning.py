@@ -122,6 +122,15 @@ def shipped_entries() -> dict[str, dict[str, Any]]:
 
 
 _lock = threading.Lock()
+
+
+def _fresh_lock_in_child() -> None:
+    global _lock  # (one held by another thread of the parent at a fork would stay held in the child)
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
 # path -> (mtime or None when missing, time.monotonic() of the last stat, entries)
 _loaded: dict[str, tuple[float | None, float, dict[str, dict[str, Any]]]] = {}
 # A product call looks the table up; the file is stat-ed at most this often (another process's `bsrkit

@@ -4,6 +4,7 @@ prepared calls the CPU backend returns (:func:`prepared`), with their in-loop pr
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,17 @@ __all__ = ["KERNEL_LOCK", "Rerun", "live_indices", "prepared", "run", "set_numba
 # numba's default (workqueue) threading layer must not be entered from two threads at once; the kernel
 # already uses every worker thread, so serialising calls costs little.
 KERNEL_LOCK = threading.Lock()
+
+
+def _fresh_lock_in_child() -> None:
+    # A forked child has only the forking thread: a lock another thread of the parent held at the fork
+    # would stay held for ever (the child's first product hung).
+    global KERNEL_LOCK
+    KERNEL_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 # A prepared call: ``rerun(values, dense, out, prove=False)`` runs a product with the layouts it was
 # prepared for (see bsrkit.backends.base.Backend.addmm: with ``rerun.proves``, ``prove=True`` also compares

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -115,6 +117,20 @@ class _EntryStats:
         self.cache_misses = {(): misses}
 
 
+# Every entry, for a forked child to replace their locks (one held by another thread of the parent at the
+# fork would stay held: the child's first compile of it would hang).
+_ENTRIES: weakref.WeakSet[PackedEntry] = weakref.WeakSet()
+
+
+def _fresh_locks_in_child() -> None:
+    for entry in list(_ENTRIES):
+        entry._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_in_child)
+
+
 class PackedEntry:
     """A serial twin behind its C entry: ``c_call(block, a, b, c)`` (a ctypes function pointer, compiled
     or loaded from the on-disk cache at first use); :meth:`pack` makes a block of a record; calling the
@@ -141,6 +157,7 @@ class PackedEntry:
         self._cfunc: Any = None
         self._c_call: Any = None
         self._lock = threading.Lock()
+        _ENTRIES.add(self)
 
     @property
     def c_call(self) -> Any:
