@@ -99,3 +99,50 @@ def test_alpha_zero_forms_no_product_as_torch_addmm(backend, beta):
         reference.sampled_addmm(inp, mat1, mat2, beta=beta, alpha=0),
     ):
         torch.testing.assert_close(got, beta * finite.to_dense())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_sums_are_formed_in_float32_and_rounded_once(backend, dtype):
+    """As torch: beta * input beyond the half range (120000) plus a product of -60000 is 60000, not inf;
+    a sampled product of 70000 plus an input of -60000 is 10000; a beta beyond the range is no error."""
+    if dtype is torch.bfloat16:
+        pytest.skip("bfloat16's range reaches 3e38: nothing overflows at these sizes")
+    A = torch.zeros(32, 32)
+    A[:16, :16] = torch.eye(16)
+    bsr = A.to(dtype).to_sparse_bsr(16)
+    dense, inp = torch.full((32, 8), -60000.0).to(dtype), torch.full((32, 8), 60000.0).to(dtype)
+    got = bsrkit.bsr_dense_addmm(inp, bsr, dense, beta=2.0)
+    torch.testing.assert_close(got, torch.addmm(inp, A.to(dtype), dense, beta=2.0))
+    base = torch.zeros(32, 32)
+    base[:16, :16] = -60000.0
+    m1, m2 = torch.full((32, 4), 100.0).to(dtype), torch.full((4, 32), 175.0).to(dtype)
+    got = bsrkit.sampled_addmm(base.to(dtype).to_sparse_bsr(16), m1, m2).to_dense()
+    assert got[0, 0].item() == 10000.0 and torch.isfinite(got).all()
+    small = torch.zeros(32, 32)
+    small[:16, :16] = 0.01
+    got = bsrkit.sampled_addmm(small.to(dtype).to_sparse_bsr(16), m1 * 0, m2, beta=70400.0).to_dense()
+    assert got[0, 0].item() == pytest.approx(704.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_attention_is_as_accurate_as_torch(backend, dtype, monkeypatch):
+    """The composed path rounded the scores to half before the softmax: 10x torch's error, and NaN for
+    scores beyond 65504 where torch stays finite."""
+    monkeypatch.setenv("BSRKIT_FUSED_ATTENTION", "0")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 16, generator=g) for _ in range(3))
+    mask = bsrkit.causal_mask(64, 16)
+    dense_mask = mask.to_dense()
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=dense_mask
+    )
+    ours = bsrkit.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=dense_mask
+    )
+    error = (ours.double() - exact).norm() / exact.norm()
+    assert error <= 2 * (theirs.double() - exact).norm() / exact.norm()
+    big = bsrkit.scaled_dot_product_attention(
+        (q * 80).to(dtype), (k * 80).to(dtype), v.to(dtype), mask, scale=1.0
+    )
+    assert torch.isfinite(big).all()

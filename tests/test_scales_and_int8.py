@@ -113,3 +113,24 @@ def test_scales_bring_back_a_half_product_beyond_its_range(dtype):
         want = reference.bsr_dense_addmm(inp, bsr, x, **kwargs)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want)
+
+
+def test_int8_coefficients_wrap_as_torchs_int32_arithmetic():
+    """Integer beta and alpha are applied in int32 arithmetic (through float64 they rounded: 2**30 + 1
+    times 2**31 - 1); beyond int32, and a float32 product's finite alpha beyond float32, are refused as
+    torch.addmm refuses them (1e39 became inf and skipped the 0 * inf rule)."""
+    A = torch.zeros(32, 32, dtype=torch.int8)
+    A[:16, :16] = torch.eye(16, dtype=torch.int8)
+    bsr = A.to_sparse_bsr(16)
+    dense = torch.full((32, 4), 3, dtype=torch.int8)
+    inp = torch.full((32, 4), 2**31 - 1, dtype=torch.int32)
+    beta, alpha = 2**30 + 1, 2**30 + 3
+    want = torch.addmm(inp, A.int(), dense.int(), beta=beta, alpha=alpha)
+    torch.testing.assert_close(bsrkit.bsr_dense_addmm(inp, bsr, dense, beta=beta, alpha=alpha), want)
+    with pytest.raises(ValueError, match="expected \\|alpha\\| < 2.14748e\\+09"):
+        bsrkit.bsr_dense_addmm(inp, bsr, dense, alpha=2**40)
+    with pytest.raises(ValueError, match="expected \\|alpha\\| < 3.40282e\\+38 for a torch.float32"):
+        bsrkit.bsr_dense_addmm(inp.float(), A.float().to_sparse_bsr(16), dense.float(), alpha=1e39)
+    assert torch.isfinite(
+        bsrkit.bsr_dense_addmm(inp.double(), A.double().to_sparse_bsr(16), dense.double(), alpha=1e39)
+    ).all()

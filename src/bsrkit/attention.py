@@ -314,10 +314,15 @@ def _forward(
 
 def _weights(query: torch.Tensor, key: torch.Tensor, call: _Call) -> torch.Tensor:
     """The attention weights at the stored blocks, composed: SDDMM, then the block-row softmax."""
-    a = call.a
+    a, dtype = call.a, query.dtype
+    if dtype is not call.compute:
+        # Half types: the scores in float32 (rounded to half they lost digits, and overflowed past 65504
+        # to inf, then NaN, where torch stays finite); the weights, in [0, 1], rounded once at the end.
+        query, key = query.to(call.compute), key.to(call.compute)
     scores = dispatch.sampled(_SAMPLED, call.sampled, a, query, key.mT, call.batch, call.scale)
     bias = cached_block_bias(call.mask, call.is_causal, call.compute).dense()
-    return dispatch.softmax(call.softmax, a, scores, bias, zero_empty_rows=True)
+    weights = dispatch.softmax(call.softmax, a, scores, bias, zero_empty_rows=True)
+    return weights.to(dtype)
 
 
 def _apply_dropout(w: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:

@@ -251,10 +251,7 @@ class SampledAddmm(torch.autograd.Function):
         beta: float,
         alpha: float,
     ) -> torch.Tensor:
-        values = dispatch.sampled(op, backend, a, mat1, mat2, batch, alpha)
-        if beta != 0:
-            in_values = input.values()
-            values.add_(in_values.expand(*batch, *in_values.shape[-3:]), alpha=beta)
+        values = dispatch.sampled_addmm(op, backend, a, mat1, mat2, batch, beta, alpha, input.values())
         ctx.save_for_backward(input, mat1, mat2)
         ctx.scalars = (beta, alpha)
         ctx.pattern, ctx.op = _forward_pattern(a), op

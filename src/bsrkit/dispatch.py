@@ -116,10 +116,19 @@ def addmm(
     overwrites ``out`` may take the prepared call, so a discarded ``out`` is simply written again).
     """
     scaled = left is not None or right is not None or not math.isfinite(alpha)
-    if unproven and (scaled or dense.dtype is torch.int8):
+    # Half types with an input: beta * input is added in float32 and the sum rounded once, as torch
+    # (rounded to half first, an input term beyond 65504 was inf where the sum is not).
+    half_input = out.dtype in (torch.float16, torch.bfloat16) and input is not None and beta != 0
+    if unproven and (scaled or half_input or dense.dtype is torch.int8):
         _prove(a)  # (these paths recurse, on no prepared call of a kept operand)
     if dense.dtype is torch.int8:
         return _int8_addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
+    if half_input and not scaled:
+        assert input is not None
+        product = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        addmm(op, backend, None, a, dense, product, batch, 0.0, alpha, meta)
+        total = torch.add(product.float(), input.expand(out.shape).float(), alpha=beta)
+        return out.copy_(total)
     if scaled:
         # Form the product, then scale it: inf * 0 is NaN wherever the product is 0 (empty rows
         # included), as the formula says (a gemm may scale an operand instead). Half types form it in
@@ -134,6 +143,8 @@ def addmm(
         _scale_product(product, alpha, left, right)
         if input is None or beta == 0:
             return out.copy_(product)
+        if half_input:  # (product is float32 here)
+            return out.copy_(product.add_(input.expand(out.shape).to(product.dtype), alpha=beta))
         _scale_input_into(out, input, beta)
         return out.add_(product)
     # out := beta * input first; the kernel then accumulates (or, with beta == 0, overwrites).
@@ -310,6 +321,16 @@ def _int8_addmm(
         a = a._replace(values=a.values.to(compute))
     product = torch.empty(out.shape, dtype=compute, device=out.device)
     addmm(op, backend, None, a, dense.to(compute), product, batch, 0.0, 1.0, meta)
+    if left is None and right is None:
+        # Integer beta and alpha (|x| < 2**31, checked): int32 arithmetic as torch's, each term wrapped
+        # to 32 bits, in int64 (float64 rounded terms past 2**53: 2**30 + 1 times 2**31 - 1).
+        def wrapped(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.int32).to(torch.int64)
+
+        total = wrapped(wrapped(product.to(torch.int64)) * int(alpha))
+        if input is not None and beta != 0:
+            total += wrapped(input.to(torch.int64).expand(out.shape) * int(beta))
+        return out.copy_(total)  # (int64 to int32: wraps, as torch's int32 sum)
     result = product.to(torch.float64)
     _scale_product(result, alpha, left, right)
     if input is not None and beta != 0:
@@ -369,6 +390,31 @@ def sampled(
     if not finite:
         values.mul_(alpha)
     return values.reshape(*batch, *values.shape[1:])
+
+
+def sampled_addmm(
+    op: str,
+    backend: Backend,
+    a: Operand,
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    batch: torch.Size,
+    beta: float,
+    alpha: float,
+    in_values: torch.Tensor,
+) -> torch.Tensor:
+    """``beta * in_values + alpha * (mat1 @ mat2)`` at ``a``'s blocks (:func:`sampled`; ``in_values``
+    broadcast to ``(*batch, nnz, Ms, Ns)``, not read when ``beta == 0``). Half types add in float32 and
+    round once, as torch: a sum of terms beyond their range (a product of 70000 and an input of
+    -60000) must not be inf, nor a ``beta`` beyond it raise."""
+    dtype = mat1.dtype
+    half = dtype in (torch.float16, torch.bfloat16) and beta != 0
+    if half:
+        mat1, mat2 = mat1.float(), mat2.float()
+    values = sampled(op, backend, a, mat1, mat2, batch, alpha)
+    if beta != 0:
+        values.add_(in_values.expand(*batch, *in_values.shape[-3:]).to(values.dtype), alpha=beta)
+    return values.to(dtype) if half else values
 
 
 def scatter_mm(

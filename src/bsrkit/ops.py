@@ -155,6 +155,9 @@ def _int_bsr_dense_addmm(
 _ADDMM_DTYPES = (*SUPPORTED_DTYPES, torch.int8)
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _needs_grad(*tensors: Any) -> bool:
     if forward_ad._current_level >= 0:  # (inside a dual level only: a module attribute read otherwise)
         _refuse_tangents(tensors)
@@ -371,6 +374,16 @@ def _validate_addmm(
     out_dtype = torch.int32 if integer else dense.dtype
     if integer and not (beta.is_integer() and alpha.is_integer()):
         raise ValueError(f"{op}(): expected integer beta and alpha for int8 products, got {beta} and {alpha}")
+    # Finite coefficients the kernels' scalars cannot hold (float32 for float32 and half products; exact
+    # integers for int8's int32 arithmetic, through float64): refused as torch.addmm refuses them, not
+    # turned into inf (unlike an infinite one, it would skip the formula's NaN for 0 * inf) or rounded.
+    limit = {torch.float64: math.inf, torch.int8: 2.0**31}.get(bsr.dtype, _FLOAT32_MAX)
+    for name, value in (("beta", beta), ("alpha", alpha)):
+        if math.isfinite(value) and abs(value) >= limit:
+            raise ValueError(
+                f"{op}(): expected |{name}| < {limit:g} for a {bsr.dtype} product (the kernels' scalars "
+                f"cannot hold it), got {value!r}"
+            )
     if integer and differentiable:  # (only a float scale can require grad here)
         name = "left_alpha" if left is not None and left.requires_grad else "right_alpha"
         raise ValueError(
@@ -537,10 +550,7 @@ def sampled_addmm(
     if differentiable:
         values = autograd.SampledAddmm.apply(op, backend, input, a, mat1, mat2, batch, beta, alpha)
     else:
-        values = dispatch.sampled(op, backend, a, mat1, mat2, batch, alpha)
-        if beta != 0:
-            in_values = input.values()
-            values.add_(in_values.expand(*batch, *in_values.shape[-3:]), alpha=beta)
+        values = dispatch.sampled_addmm(op, backend, a, mat1, mat2, batch, beta, alpha, input.values())
     # The pattern the values were computed on (on the CPU the validated copy, not input's live memory,
     # which a racing write may have changed since), in memory of the result's own, as torch's copies.
     crow, col = a.kernel_indices()
