@@ -543,3 +543,19 @@ def test_mask_builders_take_numpy_integers_as_ints():
     assert torch.equal(bsrkit.causal_mask(np.int64(16), 4).to_dense(), bsrkit.causal_mask(16, 4).to_dense())
     with pytest.raises(TypeError, match="expected window to be an int, got bool"):
         bsrkit.sliding_window_mask(32, np.bool_(True), 8)
+
+
+def test_a_broadcast_mask_first_used_under_inference_mode_keeps_its_plans(monkeypatch):
+    from bsrkit import plans
+
+    checks = []
+    original = plans.pattern_defect
+    monkeypatch.setattr(plans, "pattern_defect", lambda *a, **k: checks.append(1) or original(*a, **k))
+    mask = bsrkit.sliding_window_mask(32, 8, 8)
+    q = torch.randn(2, 3, 32, 8)  # (the mask broadcast over batch and heads)
+    with torch.inference_mode():
+        for _ in range(5):
+            y = bsrkit.scaled_dot_product_attention(q, q, q, mask)
+    for _ in range(5):
+        torch.testing.assert_close(bsrkit.scaled_dot_product_attention(q, q, q, mask), y)
+    assert len(checks) <= 2  # (the mask's pattern and its broadcast's, once each)

@@ -893,3 +893,22 @@ def test_conversion_that_swaps_parameters_in_place():
         torch.testing.assert_close(layer(x), y)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_a_layer_first_called_under_inference_mode_caches_its_plans(monkeypatch):
+    """Its kept wrapper was built in the caller's inference mode: an inference tensor is never cached, so
+    every later call, in any mode, validated the pattern and built its plans again."""
+    from bsrkit import plans
+
+    checks = []
+    original = plans.pattern_defect
+    monkeypatch.setattr(plans, "pattern_defect", lambda *a, **k: checks.append(1) or original(*a, **k))
+    layer = BSRLinear(64, 64, 8, density=0.5).eval()
+    x = torch.randn(4, 64)
+    with torch.inference_mode():
+        for _ in range(5):
+            y = layer(x)
+    with torch.no_grad():
+        for _ in range(5):
+            torch.testing.assert_close(layer(x), y)
+    assert len(checks) == 1

@@ -260,15 +260,19 @@ def _check_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
 def _expanded_pattern(mask: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
     # Broadcast views of copies of the mask's indices, cached so that the plans keyed on them live with
     # the mask's index memory. Copies: a view of that memory in the entry would keep it alive forever.
-    crow, col = mask.crow_indices().clone(), mask.col_indices().clone()
-    block = mask.values().shape[-3:]
-    return torch.sparse_bsr_tensor(
-        crow.expand(*batch, crow.shape[-1]),
-        col.expand(*batch, col.shape[-1]),
-        torch.zeros((), dtype=torch.bool, device=mask.device).expand(*batch, *block),
-        size=(*batch, *mask.shape[-2:]),
-        check_invariants=False,  # views of a BSR tensor torch accepted
-    )
+    # Plain tensors, also under the caller's inference mode: an inference tensor is never cached or kept,
+    # so the entry would leave every later call, in any mode or thread, without cached plans. (An
+    # inference mask's call is not cached at all.)
+    with torch.inference_mode(False):
+        crow, col = mask.crow_indices().clone(), mask.col_indices().clone()
+        block = mask.values().shape[-3:]
+        return torch.sparse_bsr_tensor(
+            crow.expand(*batch, crow.shape[-1]),
+            col.expand(*batch, col.shape[-1]),
+            torch.zeros((), dtype=torch.bool, device=mask.device).expand(*batch, *block),
+            size=(*batch, *mask.shape[-2:]),
+            check_invariants=False,  # views of a BSR tensor torch accepted
+        )
 
 
 def _pattern(mask: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:

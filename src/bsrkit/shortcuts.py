@@ -63,7 +63,6 @@ concurrent calls); :func:`clear` empties every table.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 from typing import Any, NamedTuple
@@ -303,7 +302,9 @@ def kept_weight(
     # (parts made under inference mode, e.g. a layer loaded there: a wrapper made outside it could not
     # view them, so it is an inference tensor too, whose accessors work anywhere)
     inference = crow.is_inference() or col.is_inference() or values.is_inference()
-    with torch.inference_mode() if inference else contextlib.nullcontext():
+    # (and of plain parts a plain one, also under the caller's inference mode: an inference wrapper is
+    # never cached or kept, so a layer first called there stayed uncached in every mode and thread)
+    with torch.inference_mode(inference):
         bsr = torch.sparse_bsr_tensor(crow, col, values.detach(), size=size, check_invariants=False)
     calls: dict[Any, WeightCall] = {}
     if not values.is_inference():  # (an inference tensor takes no weak reference)
