@@ -148,7 +148,12 @@ def format_table(rows: list[dict[str, object]]) -> str:
         if "compile_s" in r:
             setup += f" + compile {float(r['compile_s']):.1f} s"  # type: ignore[arg-type]
         blk = f"{float(b['block_density']):.3f}" if b else "     "  # type: ignore[arg-type]
-        fwd_part = f"{float(fwd) * 1e3:8.1f} {x_fwd} {_mib(r.get('fwd_peak_mib'))}"  # type: ignore[arg-type]
+        # (a method whose forward failed has no time: its error stands in the table)
+        fwd_part = (
+            f"{float(fwd) * 1e3:8.1f} {x_fwd} {_mib(r.get('fwd_peak_mib'))}"  # type: ignore[arg-type]
+            if fwd is not None
+            else f"{'-':>8} {'':5} {'':>6}"
+        )
         if "error" in r:
             fb_part = f"{r['error']}"
         else:

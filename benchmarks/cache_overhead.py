@@ -17,7 +17,7 @@ import torch.sparse._triton_ops as torch_triton_ops
 
 import bsrkit
 from bsrkit import TensorKey, weak_lru_cache
-from bsrkit.backends.cpu import planning
+from bsrkit.operand import Operand
 
 warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta state")
 
@@ -49,20 +49,20 @@ def main() -> None:
     print(f"weak_lru_cache hit (strided tensor):     {us(lambda: weak(t)):6.2f} us")
     # A view re-created on each call finds the entry of its memory (a miss per call before issue 13).
     print(f"weak_lru_cache, view re-created per call: {us(lambda: weak(t[0])):6.2f} us")
-    planning.cpu_mm_plan(bsr)
-    print(f"bsrkit plan-cache hit (bsr):             {us(lambda: planning.cpu_mm_plan(bsr)):6.2f} us")
-    members = (bsr.crow_indices(), bsr.col_indices(), bsr.values())  # a product fetches these anyway
-    in_product = us(lambda: planning.cpu_mm_plan(TensorKey(bsr, members=members)))
-    print(f"bsrkit plan-cache hit inside a product:  {in_product:6.2f} us")
+    # What a product does to get its plan: the operand (a kept one for a repeated BSR object), then the
+    # plan from the operand's validated pattern.
+    Operand.of(bsr).plan("cpu_mm", 0)
+    kept = us(lambda: Operand.of(bsr).plan("cpu_mm", 0))
+    print(f"bsrkit operand and plan, same BSR:       {kept:6.2f} us")
     # A training loop that rebuilds its BSR weight every step from the same index tensors.
-    crow, col, values = members
+    crow, col, values = bsr.crow_indices(), bsr.col_indices(), bsr.values()
 
     def rebuilt_lookup():
         b = torch.sparse_bsr_tensor(crow, col, values, size=bsr.shape, check_invariants=False)
-        return planning.cpu_mm_plan(TensorKey(b, members=(crow, col, values)))
+        return Operand.of(b).plan("cpu_mm", 0)
 
     rebuilt = us(rebuilt_lookup, number=2000)
-    print(f"plan lookup, BSR rebuilt per call:       {rebuilt:6.2f} us (includes the constructor)")
+    print(f"operand and plan, BSR rebuilt per call:  {rebuilt:6.2f} us (includes the constructor)")
     bsrkit.bsr_scatter_mm_indices_data(bsr, x)
     print(
         "bsrkit.bsr_scatter_mm_indices_data hit:  "

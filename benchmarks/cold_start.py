@@ -49,6 +49,13 @@ print(json.dumps({"import": t1 - t0, "mm": t3 - t2, "sampled": t4 - t3, "total":
 """
 
 
+def _state(counts: dict) -> str:
+    """A kernel's cache counts as what happened to it in that process (hits=misses=0: it was not used)."""
+    if counts["hits"]:
+        return "loaded"
+    return "compiled" if counts["misses"] else "not used"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--processes", type=int, default=3)
@@ -70,8 +77,7 @@ def main() -> None:
             sys.exit(done.stderr)
         r = json.loads(done.stdout.strip().splitlines()[-1])
         how = ", ".join(
-            f"{name} {'loaded' if c['hits'] else 'compiled'}{'' if c['path'] else ' (in memory)'}"
-            for name, c in r["cache"].items()
+            f"{name} {_state(c)}{'' if c['path'] else ' (in memory)'}" for name, c in r["cache"].items()
         )
         print(
             f"{i + 1:>7} | {r['import']:>8.2f} {r['mm']:>6.2f} {r['sampled']:>9.2f} | {r['total']:>7.2f} | "

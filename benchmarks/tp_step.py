@@ -83,7 +83,8 @@ def main() -> None:
 
     def threads(n: int) -> None:
         torch.set_num_threads(n)
-        numba.set_num_threads(n)
+        # (numba's pool may be smaller, a NUMBA_NUM_THREADS set before this ran: at most that)
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
     n, batch, bs = args.features, args.batch, args.blocksize
     torch.manual_seed(0)

@@ -37,7 +37,7 @@ def student(features: int, hidden: int, blocksize: int, density: float) -> nn.Se
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wrapper", choices=("ddp", "fsdp2"), default="ddp")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=100, help="at least 2 (the first is not timed)")
     ap.add_argument("--global-batch", type=int, default=128)
     ap.add_argument("--features", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=256)
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--print-every", type=int, default=10)
     args = ap.parse_args()
+    if args.steps < 2:
+        ap.error(f"--steps must be at least 2 (the first step is not timed), got {args.steps}")
 
     if "RANK" not in os.environ:  # plain `python`: a process group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
