@@ -179,9 +179,13 @@ def scatter_mm(
     indices_data: tuple[Any, ...],
     accumulators: torch.Tensor,
 ) -> torch.Tensor:
-    """The loops of torch's ``scatter_mm`` docstring, verbatim in meaning; returns a new tensor."""
+    """The loops of torch's ``scatter_mm`` docstring, verbatim in meaning, and as torch's code runs them:
+    the ``"bsr_strided_mm"`` format starts from zero accumulators (its CPU loop zeroes them, its Triton
+    kernel stores the tiles); the others add into them. Returns a new tensor."""
     fmt = indices_data[0]
     acc = accumulators.double().clone()
+    if fmt == "bsr_strided_mm":
+        acc.zero_()
     blocks = blocks.double()
     others = others.double()
     Ms, Ks = blocks.shape[-2:]
