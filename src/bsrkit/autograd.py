@@ -192,8 +192,7 @@ class BsrDenseAddmm(torch.autograd.Function):
         out = torch.empty((*batch, M, dense.shape[-1]), dtype=dense.dtype, device=dense.device)
         dispatch.addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
         ctx.save_for_backward(bsr, dense, left, right)
-        # (a transposed operand's indices are its plan's: the pattern is bsr's own operand's)
-        ctx.pattern = _forward_pattern(None if a is None else Operand.of(bsr, op) if transpose else a)
+        ctx.pattern = _forward_pattern(a)  # (a transposed operand keeps bsr's own validated pattern)
         ctx.op = op
         ctx.scalars = (beta, alpha, transpose)
         ctx.input_shape = None if input is None else input.shape
@@ -251,7 +250,7 @@ class SampledAddmm(torch.autograd.Function):
         beta: float,
         alpha: float,
     ) -> torch.Tensor:
-        values = dispatch.sampled_addmm(op, backend, a, mat1, mat2, batch, beta, alpha, input.values())
+        values = dispatch.sampled_addmm(op, backend, a, mat1, mat2, batch, beta, alpha, input)
         ctx.save_for_backward(input, mat1, mat2)
         ctx.scalars = (beta, alpha)
         ctx.pattern, ctx.op = _forward_pattern(a), op

@@ -401,18 +401,19 @@ def sampled_addmm(
     batch: torch.Size,
     beta: float,
     alpha: float,
-    in_values: torch.Tensor,
+    input: torch.Tensor,
 ) -> torch.Tensor:
-    """``beta * in_values + alpha * (mat1 @ mat2)`` at ``a``'s blocks (:func:`sampled`; ``in_values``
-    broadcast to ``(*batch, nnz, Ms, Ns)``, not read when ``beta == 0``). Half types add in float32 and
-    round once, as torch: a sum of terms beyond their range (a product of 70000 and an input of
-    -60000) must not be inf, nor a ``beta`` beyond it raise."""
+    """``beta * input.values() + alpha * (mat1 @ mat2)`` at ``a``'s blocks (:func:`sampled`; the BSR
+    ``input``'s values broadcast to ``(*batch, nnz, Ms, Ns)``, not read when ``beta == 0``). Half types
+    add in float32 and round once, as torch: a sum of terms beyond their range (a product of 70000 and
+    an input of -60000) must not be inf, nor a ``beta`` beyond it raise."""
     dtype = mat1.dtype
     half = dtype in (torch.float16, torch.bfloat16) and beta != 0
     if half:
         mat1, mat2 = mat1.float(), mat2.float()
     values = sampled(op, backend, a, mat1, mat2, batch, alpha)
     if beta != 0:
+        in_values = input.values()
         values.add_(in_values.expand(*batch, *in_values.shape[-3:]).to(values.dtype), alpha=beta)
     return values.to(dtype) if half else values
 

@@ -550,7 +550,7 @@ def sampled_addmm(
     if differentiable:
         values = autograd.SampledAddmm.apply(op, backend, input, a, mat1, mat2, batch, beta, alpha)
     else:
-        values = dispatch.sampled_addmm(op, backend, a, mat1, mat2, batch, beta, alpha, input.values())
+        values = dispatch.sampled_addmm(op, backend, a, mat1, mat2, batch, beta, alpha, input)
     # The pattern the values were computed on (on the CPU the validated copy, not input's live memory,
     # which a racing write may have changed since), in memory of the result's own, as torch's copies.
     crow, col = a.kernel_indices()
