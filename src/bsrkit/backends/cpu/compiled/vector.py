@@ -4,7 +4,7 @@
 
 numba has no SIMD type, so :class:`Vec` is one: an LLVM vector of 32 bytes (8 float32 or 4 float64; on
 narrower or wider hardware LLVM splits or packs it), held in registers like any scalar local. The vector loops
-(:mod:`.small`) use only these intrinsics (load, load of two interleaved columns, splat, multiply-add,
+(:mod:`.small`) use only these intrinsics (load, load of two interleaved columns, splat, add, multiply-add,
 lane, horizontal sum, store), so the order of every sum is the one written: no fast-math flags (NaN and inf
 behave as in IEEE arithmetic).
 """
@@ -188,6 +188,18 @@ def vmul(typingctx, a, b):
 
     def codegen(context, builder, signature, llargs):
         return builder.fmul(*llargs)
+
+    return a(a, b), codegen
+
+
+@intrinsic
+def vadd(typingctx, a, b):
+    """``a + b`` lane by lane."""
+    if not (isinstance(a, Vec) and a == b):
+        raise errors.TypingError(f"vadd: expected two vectors of one type, got {a}, {b}")
+
+    def codegen(context, builder, signature, llargs):
+        return builder.fadd(*llargs)
 
     return a(a, b), codegen
 
