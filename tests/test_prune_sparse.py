@@ -52,12 +52,25 @@ def _weight(module):
     return module.values if isinstance(module, BSRLinear) else module.weight
 
 
-def _reference_masks(twin, opt_twin, old, new):
-    """The masked-dense reference after a step: a block kept in both keeps its weights and moments, every
-    other block (removed, or regrown: it starts at zero) is zero in both."""
+def _record_pruned(pruner):
+    """A dict that each step's regrowth fills with the masks it starts from (the step's pruning done)."""
+    pruned, regrow = {}, pruner._regrow
+
+    def recording(layer, mask, grad):
+        pruned[layer.fqn] = mask.clone()
+        return regrow(layer, mask, grad)
+
+    pruner._regrow = recording
+    return pruned
+
+
+def _reference_masks(twin, opt_twin, old, new, pruned=None):
+    """The masked-dense reference after a step: a block kept through the step's pruning (``pruned``, the
+    masks between it and the regrowth) and regrowth keeps its weights and moments, every other block
+    (removed, or regrown: it starts at zero, also where the pruning removed it just before) is zero."""
     with torch.no_grad():
         for name in new:
-            keep = expand(old[name] & new[name], BS)
+            keep = expand(old[name] & new[name] & (pruned or {}).get(name, new[name]), BS)
             w = twin.get_submodule(name).weight
             w.mul_(keep)
             for v in opt_twin.state[w].values():
@@ -104,6 +117,7 @@ def test_block_sparse_training_equals_the_masked_dense_reference(criterion, opti
     opt = OPTIMIZERS[optimizer](model.parameters())
     opt_twin = OPTIMIZERS[optimizer](twin.parameters())
     pruner = _pruner(model, opt, criterion=criterion, end_step=8)
+    pruned = _record_pruned(pruner)
     shrinks = regrowths = 0
     for step in range(16):
         x, y = _batch(step)
@@ -115,9 +129,10 @@ def test_block_sparse_training_equals_the_masked_dense_reference(criterion, opti
             o.step()
             losses.append(loss.item())
         old = pruner.masks()
+        pruned.clear()
         pruner.step()
         new = pruner.masks()
-        _reference_masks(twin, opt_twin, old, new)
+        _reference_masks(twin, opt_twin, old, new, pruned)
         assert losses[0] == pytest.approx(losses[1], abs=1e-12)
         _compare(model, opt, twin, opt_twin, new)
         shrinks += any(int(new[n].sum()) < int(old[n].sum()) for n in new)
@@ -144,6 +159,7 @@ def test_every_steps_gradients_equal_the_masked_dense_models(backend):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     opt_twin = torch.optim.Adam(twin.parameters(), lr=1e-2)
     pruner = _pruner(model, opt, end_step=4, regrow=RigL(fraction=0.5, every=1, decay="constant"))
+    pruned = _record_pruned(pruner)
     changes = 0
     for step in range(9):
         x, y = _batch(step)
@@ -164,9 +180,10 @@ def test_every_steps_gradients_equal_the_masked_dense_models(backend):
         opt.step()
         opt_twin.step()
         old = pruner.masks()
+        pruned.clear()
         pruner.step()
         new = pruner.masks()
-        _reference_masks(twin, opt_twin, old, new)
+        _reference_masks(twin, opt_twin, old, new, pruned)
         changes += not torch.equal(old["2"], new["2"])
     assert changes >= 5
     assert pruner.sparse_layers() == ["0", "2", "4"]
@@ -678,3 +695,117 @@ def test_muon_is_refused_where_a_layer_would_train_block_sparse():
     with pytest.raises(ValueError, match="torch.optim.Muon trains 2-D parameters only"):
         _pruner(model, opt, filter_fn=lambda module, fqn: fqn == "2", regrow=None)
     _pruner(model, opt, filter_fn=lambda module, fqn: fqn == "2", regrow=None, sparse_below=None)
+
+
+@pytest.mark.parametrize("sparse_below", [None, 1.0])
+def test_a_block_pruned_and_regrown_in_one_step_starts_at_zero(sparse_below):
+    # The schedule removes block (0, 1) (the smaller norm) and the update of the same step grows it back
+    # (the larger gradient): it is a grown block, at zero weight and momentum, not a kept one.
+    lin = nn.Linear(8, 4, bias=False)
+    with torch.no_grad():
+        lin.weight[:, :4], lin.weight[:, 4:] = 1.0, 0.1
+    model = nn.Sequential(lin)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)
+    rigl = RigL(fraction=1.0, every=1, decay="constant")
+    pruner = GradualPruner(model, opt, blocksize=4, target_density=0.5, start_step=0, end_step=1, every=1,
+                           sparse_below=sparse_below, regrow=rigl)  # fmt: skip
+    x = torch.zeros(1, 8)
+    x[0, 4:] = 1.0
+    (model(x) * 5.0).sum().backward()
+    opt.step()
+    pruner.step()
+    assert pruner.masks()["0"].tolist() == [[False, True]]
+    weight = _weight(model[0])
+    assert not weight.detach().any()
+    assert not opt.state[weight]["momentum_buffer"].any()
+
+
+def test_a_masked_dense_layers_removed_blocks_lose_their_gradient_when_pruned():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    pruner = _pruner(model, opt, sparse_below=None, target_density=0.25, end_step=1)
+    x, y = _batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    pruner.step()
+    for name, mask in pruner.masks().items():
+        grad = model[int(name)].weight.grad
+        assert not grad[~expand(mask, BS)].any(), name
+
+
+def test_half_movement_scores_do_not_underflow():
+    # Per-element movements of 6e-8 and 3e-8 underflow to 0 in float16: scored in float32, the block
+    # that moved at all its weights wins over the one that moved at one.
+    lin = nn.Linear(8, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(1e-3)
+    model = nn.Sequential(lin).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    pruner = GradualPruner(model, opt, blocksize=4, target_density=0.25, start_step=0, end_step=2, every=1,
+                           criterion="movement", sparse_below=None)  # fmt: skip
+    grad = torch.zeros(8, 8)
+    grad[:4, :4], grad[4, 4] = -2.5e-5, -6e-5
+    for _ in range(2):
+        model[0].weight.grad = grad.half()
+        pruner.step()
+    assert pruner.masks()["0"].nonzero().tolist() == [[0, 0]]
+
+
+@pytest.mark.parametrize("a, b", [(1.0, 1.0 + 1e-9), (1e-24, 3e-24), (0.0, 0.0)])
+def test_float64_blocks_rank_alike_in_the_pruner_and_from_dense(a, b):
+    # Norms apart by less than float32 resolution (or squares below its range) rank in float64 in both;
+    # equal norms keep the lower index in both.
+    lin = nn.Linear(8, 4, bias=False).double()
+    with torch.no_grad():
+        lin.weight[:, :4], lin.weight[:, 4:] = a, b
+    kept = [1] if b > a else [0]
+    assert BSRLinear.from_dense(lin, 4, 0.5).col_indices.tolist() == kept
+    model = nn.Sequential(lin)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    pruner = GradualPruner(model, opt, blocksize=4, target_density=0.5, start_step=0, end_step=1, every=1,
+                           sparse_below=None)  # fmt: skip
+    pruner.step()
+    assert pruner.masks()["0"].nonzero()[:, 1].tolist() == kept
+
+
+def test_the_pruners_arguments_are_checked_by_name():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = dict(blocksize=BS, target_density=0.5, start_step=0, end_step=2, every=1)
+    with pytest.raises(TypeError, match="expected model to be an nn.Module, got str"):
+        GradualPruner("x", opt, **kw)
+    with pytest.raises(
+        TypeError, match="expected optimizer to be a torch.optim.Optimizer or None, got generator"
+    ):
+        GradualPruner(model, model.parameters(), **kw)
+    with pytest.raises(TypeError, match="expected filter_fn to be callable or None, got int"):
+        GradualPruner(model, opt, filter_fn=3, **kw)
+    with pytest.raises(ValueError, match="expected every to be an int >= 1, got True"):
+        RigL(every=True)
+    numpy = pytest.importorskip("numpy")
+    rigl = RigL(fraction=numpy.float32(0.25), every=numpy.int64(2), until=numpy.int64(6))
+    assert (rigl.fraction, rigl.every, rigl.until) == (0.25, 2, 6) and type(rigl.every) is int
+
+
+def test_a_layer_tied_to_an_embedding_is_skipped_by_default_and_refused_when_selected():
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.hidden, self.decoder = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+            self.decoder.weight = self.encoder.weight
+
+        def forward(self, tokens):
+            return self.decoder(self.hidden(self.encoder(tokens)))
+
+    model = TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = dict(blocksize=4, target_density=0.5, start_step=0, end_step=2, every=1)
+    pruner = GradualPruner(model, opt, **kw)
+    assert list(pruner.masks()) == ["hidden"]
+    with pytest.raises(ValueError, match=r"'decoder'.*weight is shared with 'encoder', a Embedding"):
+        GradualPruner(model, opt, filter_fn=lambda m, fqn: fqn == "decoder", **kw)
+    with pytest.raises(ValueError, match=r"'decoder'.*weight is shared with 'encoder', a Embedding"):
+        bsrkit.sparsify_(
+            model, blocksize=4, density=0.5, force=True, filter_fn=lambda m, fqn: fqn == "decoder"
+        )
+    summary = bsrkit.sparsify_(model, blocksize=4, density=0.5, force=True)
+    assert [r.fqn for r in summary.layers] == ["hidden"] and model.decoder.weight is model.encoder.weight

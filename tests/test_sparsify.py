@@ -335,3 +335,10 @@ def test_a_selection_holding_one_of_two_tied_layers_is_refused():
     assert isinstance(model[0], nn.Linear) and isinstance(model[2], nn.Linear)
     sparsify_(model, blocksize=4, density=0.5, force=True)
     assert model[0].values is model[2].values
+
+
+def test_tied_layers_sharing_their_bias_keep_sharing_it():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    model[2].weight, model[2].bias = model[0].weight, model[0].bias
+    sparsify_(model, blocksize=4, density=0.5, force=True)
+    assert model[0].values is model[2].values and model[0].bias is model[2].bias

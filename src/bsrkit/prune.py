@@ -58,7 +58,7 @@ from bsrkit import repattern
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
 from bsrkit.regrow import DenseGradient, GradientRecord, RigL, drop_and_grow
-from bsrkit.sparsify import break_even_density, check_selected, default_filter
+from bsrkit.sparsify import break_even_density, check_selected, default_filter, foreign_holders
 from bsrkit.validation import check_blocksize, check_density, check_size
 
 __all__ = ["GradualPruner", "RigL", "cubic_density"]
@@ -72,6 +72,12 @@ def cubic_density(step: int, start_step: int, end_step: int, target_density: flo
         return target_density
     progress = (step - start_step) / (end_step - start_step)
     return target_density + (1 - target_density) * (1 - progress) ** 3
+
+
+def _score_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a layer's blocks are scored in: float64 for float64 weights (as ``BSRLinear.from_dense``
+    ranks them), else float32 (half squares and products underflow)."""
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
 @dataclasses.dataclass
@@ -147,6 +153,17 @@ class GradualPruner:
         regrow: RigL | None = None,
     ) -> None:
         op = "GradualPruner()"
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{op}: expected model to be an nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(  # (its state follows each new pattern: a list of parameters has none)
+                f"{op}: expected optimizer to be a torch.optim.Optimizer or None, got "
+                f"{type(optimizer).__name__}"
+            )
+        if filter_fn is not None and not callable(filter_fn):
+            raise TypeError(
+                f"{op}: expected filter_fn to be callable or None, got {type(filter_fn).__name__}"
+            )
         bo, bi = check_blocksize("GradualPruner", blocksize)
         check_density("GradualPruner", target_density, "target_density")
         for name, value in (("start_step", start_step), ("end_step", end_step), ("every", every)):
@@ -178,6 +195,7 @@ class GradualPruner:
         self.steps = 0
         self.finalized = False  # (after finalize: no more regrowth, in this run and a resumed one)
         selected = filter_fn or default_filter((bo, bi), model)
+        holders = foreign_holders(model)
         self._layers: list[_Layer] = []
         weights: dict[int, str] = {}
         for module, fqns in module_places(model).values():
@@ -188,7 +206,7 @@ class GradualPruner:
                 raise ValueError(
                     f"{op}: filter_fn selected {fqn!r}, a {type(module).__name__}, not an nn.Linear"
                 )
-            out_f, in_f = check_selected(op, model, module, fqn, (bo, bi))
+            out_f, in_f = check_selected(op, model, module, fqn, (bo, bi), holders)
             if not module.weight.requires_grad:  # (before any hook: nothing is left on the model)
                 raise ValueError(
                     f"{op}: {fqn!r} is frozen (its weight does not require grad), and a gradual pruner "
@@ -269,7 +287,8 @@ class GradualPruner:
         for layer in self._layers:
             weight = repattern.weight_of(layer.module)
             if self.criterion == "movement" and weight.grad is not None:
-                moved = self._per_block(layer, -(weight * weight.grad))
+                wide = _score_dtype(weight)  # (in half, products of small steps underflow to 0)
+                moved = self._per_block(layer, -(weight.to(wide) * weight.grad.to(wide)))
                 # A step a GradScaler skipped leaves inf gradients and moves nothing: its blocks add nothing
                 # (a where, not a check: no device synchronisation).
                 layer.score += torch.where(moved.isfinite(), moved, 0.0)
@@ -282,31 +301,35 @@ class GradualPruner:
                 new[order[:keep]] = True
                 new = new.reshape(layer.mask.shape)
             if update:
-                new = self._regrow(layer, new)
+                # The pruning first: a block it removes and the update grows back is a grown block (zero
+                # weight and optimizer state), not a kept one. (The gradient to grow by is taken before:
+                # a move to block-sparse storage starts a new record.)
+                grad = layer.capture.take() if layer.capture is not None else None
+                self._move(layer, new)
+                new = self._regrow(layer, layer.mask, grad)
             self._move(layer, new)
         self._arm()
 
     def _per_block(self, layer: _Layer, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Per-block sums of ``t`` (stored as the layer stores its weight) as an ``(out / bo, in / bi)``
         grid, zero at the blocks not stored; added to ``out`` when given."""
-        grid = torch.zeros_like(layer.score) if out is None else out
+        grid = torch.zeros(layer.score.shape, dtype=t.dtype, device=t.device) if out is None else out
         if layer.sparse:
-            grid[layer.mask] += t.sum((-1, -2)).float()
+            grid[layer.mask] += t.sum((-1, -2)).to(grid.dtype)
         else:
-            grid += repattern.block_view(t, self.blocksize).sum((-1, -2)).float()
+            grid += repattern.block_view(t, self.blocksize).sum((-1, -2)).to(grid.dtype)
         return grid
 
     def _magnitude(self, layer: _Layer) -> torch.Tensor:
         weight = repattern.weight_of(layer.module).detach()
-        return self._per_block(layer, weight.float().pow(2))
+        return self._per_block(layer, weight.to(_score_dtype(weight)).pow(2))
 
     def _score(self, layer: _Layer) -> torch.Tensor:
         return layer.score if self.criterion == "movement" else self._magnitude(layer)
 
-    def _regrow(self, layer: _Layer, mask: torch.Tensor) -> torch.Tensor:
-        """``mask`` after a drop-and-grow update (unchanged without a gradient to grow by)."""
+    def _regrow(self, layer: _Layer, mask: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+        """``mask`` after a drop-and-grow update by the dense gradient ``grad`` (unchanged without one)."""
         assert self.regrow is not None
-        grad = layer.capture.take() if layer.capture is not None else None
         if grad is None:
             return mask
         growth = repattern.block_view(grad.float(), self.blocksize).pow(2).sum((-1, -2))

@@ -20,12 +20,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = ["DenseGradient", "GradientRecord", "RigL", "drop_and_grow"]
+
+
+def _is_count(n: Any) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +46,19 @@ class RigL:
     decay: str = "cosine"
 
     def __post_init__(self) -> None:
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)):
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, numbers.Real):
             raise TypeError(f"RigL(): expected fraction to be a number, got {type(self.fraction).__name__}")
         if not 0 <= self.fraction <= 1:
             raise ValueError(f"RigL(): expected fraction in [0, 1], got {self.fraction}")
-        if not isinstance(self.every, int) or self.every < 1:
+        if not _is_count(self.every) or self.every < 1:
             raise ValueError(f"RigL(): expected every to be an int >= 1, got {self.every!r}")
-        if self.until is not None and (not isinstance(self.until, int) or self.until < 1):
+        if self.until is not None and (not _is_count(self.until) or self.until < 1):
             raise ValueError(f"RigL(): expected until to be None or an int >= 1, got {self.until!r}")
+        # (numpy numbers as Python's: the schedule's arithmetic and its printed form stay plain)
+        object.__setattr__(self, "fraction", float(self.fraction))
+        object.__setattr__(self, "every", int(self.every))
+        if self.until is not None:
+            object.__setattr__(self, "until", int(self.until))
         if self.decay not in ("cosine", "constant"):
             raise ValueError(f"RigL(): expected decay 'cosine' or 'constant', got {self.decay!r}")
 

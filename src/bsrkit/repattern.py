@@ -172,6 +172,8 @@ def move(
     if not sparse_before and not sparse:
         removed = ~expand(old & new, blocksize)  # in place, as the optimizer step left them
         param.masked_fill_(removed, 0)
+        if param.grad is not None:  # (dropped, as a block-sparse layer's is)
+            param.grad.masked_fill_(removed, 0)
         for key in shaped:
             state[key].masked_fill_(removed, _fresh(optimizer, param, key))
         return module

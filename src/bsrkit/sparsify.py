@@ -30,6 +30,7 @@ __all__ = [
     "break_even_density",
     "check_selected",
     "default_filter",
+    "foreign_holders",
     "replacement_problem",
     "sparsify_",
 ]
@@ -54,13 +55,37 @@ def _features(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
-def replacement_problem(model: nn.Module, module: nn.Module, fqn: str) -> str | None:
+def foreign_holders(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
+    """Per parameter (by id) held by a module of ``model`` that is not a linear layer (an embedding an
+    output head is tied to), the first such holder and its name."""
+    holders: dict[int, tuple[str, nn.Module]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        if _features(module) is None:
+            for t in module._parameters.values():
+                if t is not None:
+                    holders.setdefault(id(t), (fqn, module))
+    return holders
+
+
+def replacement_problem(
+    model: nn.Module, module: nn.Module, fqn: str, holders: dict[int, tuple[str, nn.Module]] | None = None
+) -> str | None:
     """Why ``module`` (a linear layer at ``fqn`` in ``model``) cannot become a ``BSRLinear``, or None.
     The new layer computes ``x W^T + b`` from ``weight`` and ``bias`` alone, and is read as a module
     only, so: no ``nn.Linear`` subclass with its own ``forward`` or more state (a LoRA layer would lose
     its adapter), no parametrized weight (weight_norm, ``torch.nn.utils.parametrize``), and no layer whose
     parent reads its ``weight`` itself (``nn.MultiheadAttention.out_proj``, the linear layers of an
-    ``nn.TransformerEncoderLayer``)."""
+    ``nn.TransformerEncoderLayer``), and no layer sharing its weight or bias with a module that is not a
+    linear layer (an output head tied to the embedding: the block-sparse layer would hold its own copy,
+    and a pruner's zeroed blocks would zero the embedding's rows). ``holders``: :func:`foreign_holders`
+    of ``model`` (found here when None)."""
+    if holders is None:
+        holders = foreign_holders(model)
+    for name in ("weight", "bias"):
+        held = holders.get(id(getattr(module, name, None)))
+        if held is not None:
+            holder = type(held[1]).__name__
+            return f"its {name} is shared with {held[0]!r}, a {holder} (tied), which it would stop sharing"
     if isinstance(module, nn.Linear):
         if nn.utils.parametrize.is_parametrized(module) or not isinstance(module.weight, nn.Parameter):
             return "its weight is parametrized or not a Parameter (remove the parametrization first)"
@@ -79,11 +104,16 @@ def replacement_problem(model: nn.Module, module: nn.Module, fqn: str) -> str | 
 
 
 def check_selected(
-    where: str, model: nn.Module, module: nn.Module, fqn: str, blocksize: tuple[int, int]
+    where: str,
+    model: nn.Module,
+    module: nn.Module,
+    fqn: str,
+    blocksize: tuple[int, int],
+    holders: dict[int, tuple[str, nn.Module]] | None = None,
 ) -> tuple[int, int]:
     """The ``(out, in)`` features of the layer ``filter_fn`` selected at ``fqn``, or a ``ValueError`` (from
     ``where``) naming why it cannot become block-sparse: not a linear layer, features the blocksize does
-    not divide, or a :func:`replacement_problem`."""
+    not divide, or a :func:`replacement_problem` (``holders`` as there)."""
     features = _features(module)
     if features is None:
         raise ValueError(
@@ -94,7 +124,7 @@ def check_selected(
             f"{where}: expected blocksize {blocksize} to divide the (out, in) features of {fqn!r}, got "
             f"{features}"
         )
-    problem = replacement_problem(model, module, fqn)
+    problem = replacement_problem(model, module, fqn, holders)
     if problem is not None:
         raise ValueError(f"{where}: filter_fn selected {fqn!r}, which cannot be block-sparse: {problem}")
     return features
@@ -123,7 +153,7 @@ def default_filter(blocksize: tuple[int, int], model: nn.Module) -> Callable[[nn
     """Every ``nn.Linear`` or ``Conv1D`` of ``model`` whose shape the blocksize divides, except the output
     head (the module ``model.get_output_embeddings()`` returns, or one named ``lm_head``) and the layers
     a ``BSRLinear`` cannot stand for (:func:`replacement_problem`)."""
-    head = _output_head(model)
+    head, holders = _output_head(model), foreign_holders(model)
 
     def selected(module: nn.Module, fqn: str) -> bool:
         features = _features(module)
@@ -131,7 +161,7 @@ def default_filter(blocksize: tuple[int, int], model: nn.Module) -> Callable[[nn
             return False
         if features[0] % blocksize[0] or features[1] % blocksize[1]:
             return False
-        return replacement_problem(model, module, fqn) is None
+        return replacement_problem(model, module, fqn, holders) is None
 
     return selected
 
@@ -253,11 +283,13 @@ def sparsify_(
     # weight (tied, as an encoder's and a decoder's projections can be) shares its blocks and pattern, so
     # the tie holds through fine-tuning and the blocks are stored once.
     built_from: dict[tuple[bool, int], BSRLinear] = {}
+    biases: dict[int, nn.Parameter] = {}  # (a bias two layers share stays shared: id -> the new one)
+    holders = foreign_holders(model)
     # Every layer is checked and built before any is put in place: a layer that cannot be converted
     # raises with the model unchanged (as load_sparse), never half block-sparse.
     replacements: list[tuple[list[str], BSRLinear]] = []
     for fqn, module, fqns in chosen:
-        features = check_selected("sparsify_()", model, module, fqn, (bo, bi))
+        features = check_selected("sparsify_()", model, module, fqn, (bo, bi), holders)
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
         limit = break_even_density(weight.device, (bo, bi), weight.dtype)
         if not force and density >= limit:
@@ -273,6 +305,8 @@ def sparsify_(
         else:
             dense_weights += features[0] * features[1]
             stored_weights += sparse.values.numel()
+        if module.bias is not None and sparse.bias is not None:
+            sparse.bias = biases.setdefault(id(module.bias), sparse.bias)
         replacements.append((fqns, sparse))
         blocks = (features[0] // bo) * (features[1] // bi)
         reports.append(LayerReport(fqn, features, sparse.values.shape[-3] / blocks if blocks else 0.0))
