@@ -912,3 +912,11 @@ def test_a_layer_first_called_under_inference_mode_caches_its_plans(monkeypatch)
         for _ in range(5):
             torch.testing.assert_close(layer(x), y)
     assert len(checks) == 1
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_layer_on_another_device_than_its_input_is_refused_by_name(grad):
+    layer = BSRLinear(16, 16, 4, density=0.5, device="meta")
+    x = torch.randn(2, 16, requires_grad=grad)
+    with pytest.raises(ValueError, match=r"BSRLinear.forward\(\): expected x.device == meta"):
+        layer(x)

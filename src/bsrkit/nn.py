@@ -26,6 +26,7 @@ from bsrkit.validation import (
     check_blocksize,
     check_density,
     check_operand_dtypes,
+    check_same_device,
     pattern_defect,
 )
 
@@ -154,7 +155,8 @@ class BSRLinear(nn.Module):
         blocks = w.reshape(out_f // bo, bo, in_f // bi, bi).transpose(1, 2)  # (MB, KB, bo, bi)
         # (in float32 at least: half norms overflow to inf, and tie, or round; as GradualPruner ranks them)
         norms = blocks.to(torch.promote_types(w.dtype, torch.float32)).pow(2).sum((-1, -2)).flatten()
-        keep = norms.topk(round(density * norms.numel())).indices
+        # (ties to the lower index, as GradualPruner breaks them: topk's order among equals is arbitrary)
+        keep = norms.argsort(descending=True, stable=True)[: round(density * norms.numel())]
         mask = torch.zeros(norms.numel(), dtype=torch.bool, device=w.device)
         mask[keep] = True
         mask = mask.reshape(blocks.shape[:2]).cpu()
@@ -215,8 +217,14 @@ class BSRLinear(nn.Module):
             crow, col = self.crow_indices, self.col_indices
         assert crow is not None and col is not None
         M, K = self.out_features, self.in_features
+        if x.device != values.device:  # (before anything reads the pattern: a layer on meta has none)
+            check_same_device("BSRLinear.forward", "x", x, "values", values)
         if _needs_grad(x, values, bias):
-            y = custom_ops.linear(crow, col, values, dispatch.rows(x), bias, M, K, False)
+            rows = dispatch.rows(x)
+            if torch.compiler.is_compiling() or x.is_meta:  # (the custom op: traceable, shapes on meta)
+                y = custom_ops.linear(crow, col, values, rows, bias, M, K, False)
+            else:
+                y = custom_ops.EagerLinear.apply(crow, col, values, rows, bias, M, K, False)
             return y if x.ndim == 2 else y.reshape(*x.shape[:-1], M)
         if torch.compiler.is_compiling() or x.is_meta:  # (the plain op: traceable, and shapes on meta)
             return custom_ops.linear_product_op(crow, col, values, x, bias, M, K, False)
