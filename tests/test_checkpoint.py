@@ -187,8 +187,8 @@ def test_sparse_layers_sharing_one_weight_load_sharing_it(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
     # A new pattern loaded through one layer is the other's too (as for the model sparsify_ made).
-    new = BSRLinear(16, 16, 8, density=0.5, generator=torch.Generator().manual_seed(3))
-    assert not torch.equal(new.col_indices, loaded.a.col_indices)
+    new = BSRLinear(16, 16, 8, density=0.5, generator=torch.Generator().manual_seed(4))
+    assert not torch.equal(new.crow_indices, loaded.a.crow_indices)
     loaded.a.load_state_dict(new.state_dict())
     torch.testing.assert_close(loaded.b.to_dense(), new.to_dense(), rtol=0, atol=0)
 
@@ -402,3 +402,93 @@ def test_load_sparse_names_a_dtype_that_is_not_floating(tmp_path, dtype):
     save_sparse(model, tmp_path / "m.safetensors")
     with pytest.raises(TypeError, match="load_sparse\\(\\): expected dtype to be a floating torch.dtype"):
         load_sparse(model, tmp_path / "m.safetensors", dtype=dtype)
+
+
+class _WithPositions(nn.Module):
+    """A model with a computed (non-persistent) floating buffer, as sinusoidal positions are."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("pe", torch.linspace(0, 1, 32), persistent=False)
+        self.up = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.up(x + self.pe)
+
+
+@pytest.mark.parametrize("convert", ["dtype", "saved_half"])
+def test_computed_buffers_take_the_loaded_models_dtype(tmp_path, convert):
+    model = _WithPositions()
+    sparsify_(model, blocksize=8, density=0.5, force=True)
+    if convert == "saved_half":
+        model.half()
+    save_sparse(model, tmp_path / "m.safetensors")
+    dtype = torch.bfloat16 if convert == "dtype" else None
+    served = load_sparse(_WithPositions, tmp_path / "m.safetensors", dtype=dtype)
+    want = dtype or torch.float16
+    assert served.pe.dtype == want and served.up.values.dtype == want
+    assert served(torch.randn(2, 32, dtype=want)).dtype == want
+
+
+def test_state_that_is_not_a_tensor_is_refused_by_name(tmp_path):
+    class WithExtra(nn.Linear):
+        def get_extra_state(self):
+            return {"step": 3}
+
+        def set_extra_state(self, state):
+            pass
+
+    model = nn.Sequential(WithExtra(8, 8))
+    with pytest.raises(ValueError, match=r"expected only tensors.*'0._extra_state'.*dict"):
+        save_sparse(model, tmp_path / "m.safetensors")
+
+
+def test_a_meta_model_whose_init_weights_leaves_a_buffer_unwritten_is_refused(tmp_path):
+    class Rotary(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", 10.0 ** -torch.arange(4.0), persistent=False)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rot, self.up = Rotary(), nn.Linear(8, 8)
+
+        def _init_weights(self, module):  # (initialises the linear layers only, as nanoGPT's)
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight)
+
+    model = Model()
+    sparsify_(model, blocksize=4, density=0.5, force=True)
+    save_sparse(model, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        shell = Model()
+    with pytest.raises(ValueError, match=r"\['rot.inv_freq'\].*did not compute them"):
+        load_sparse(shell, tmp_path / "m.safetensors")
+
+
+def test_malformed_records_and_devices_are_refused_by_name(tmp_path):
+    model, path = _sparse_mlp(), tmp_path / "m.safetensors"
+    save_sparse(model, path)
+    with pytest.raises(ValueError, match="expected device to be a device that holds data"):
+        load_sparse(_sparse_mlp(), path, device="meta")
+    from safetensors.torch import load_file, save_file
+
+    record = read_sparse_metadata(path)
+    for change, match in (
+        (lambda r: r.pop("tied"), "expected 'tied' to map names to names"),
+        (
+            lambda r: next(iter(r["layers"].values())).update(blocksize=16),
+            "malformed \\['blocksize'\\]: \\[16\\]",
+        ),
+        (lambda r: next(iter(r["layers"].values())).update(nnz=-1), "malformed \\['nnz'\\]"),
+    ):
+        bad = json.loads(json.dumps(record))
+        change(bad)
+        save_file(
+            load_file(path),
+            tmp_path / "bad.safetensors",
+            metadata={"format": "pt", "bsrkit": json.dumps(bad)},
+        )
+        with pytest.raises(ValueError, match=match):
+            load_sparse(_sparse_mlp(), tmp_path / "bad.safetensors")

@@ -920,3 +920,37 @@ def test_a_layer_on_another_device_than_its_input_is_refused_by_name(grad):
     x = torch.randn(2, 16, requires_grad=grad)
     with pytest.raises(ValueError, match=r"BSRLinear.forward\(\): expected x.device == meta"):
         layer(x)
+
+
+def test_one_index_tensor_alone_is_judged_with_the_layers_other():
+    layer = BSRLinear(16, 16, 4, density=0.5, generator=torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    crow = before["crow_indices"].clone()
+    crow[1] = 99
+    col = torch.full_like(before["col_indices"], 7)
+    for partial in ({"crow_indices": crow}, {"col_indices": col}, {"crow_indices": crow.float()}):
+        with pytest.raises(ValueError, match="malformed pattern|expected"):
+            layer.load_state_dict(partial, strict=False)
+        with pytest.raises(ValueError, match="malformed pattern|expected"):  # (strict: all keys there)
+            layer.load_state_dict({**before, **partial}, strict=True)
+        assert all(torch.equal(layer.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_failed_load_of_the_same_nnz_leaves_the_layer_as_it_was():
+    layer = BSRLinear(16, 16, 4, density=0.5, generator=torch.Generator().manual_seed(0))
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    other = BSRLinear(16, 16, 4, density=0.5, generator=torch.Generator().manual_seed(5)).state_dict()
+    assert other["values"].shape == before["values"].shape
+    assert not torch.equal(other["col_indices"], before["col_indices"])
+    other["values"] = other["values"].to("meta")  # (cannot be copied from: the load fails there)
+    with pytest.raises(RuntimeError):
+        layer.load_state_dict(other)
+    assert all(torch.equal(layer.state_dict()[k], v) for k, v in before.items())
+    x = torch.randn(3, 16)
+    assert_close(layer(x), x @ layer.to_dense().T + layer.bias)
+
+
+def test_density_is_the_fraction_of_blocks_stored():
+    for seed in range(20):
+        layer = BSRLinear(16, 16, 4, density=0.25, generator=torch.Generator().manual_seed(seed))
+        assert layer.values.shape[0] == 4

@@ -110,13 +110,29 @@ def save_sparse(
         if isinstance(m, BSRLinear)
     }
     state = model.state_dict()
+    others = [n for n, t in state.items() if not isinstance(t, torch.Tensor)]
+    if others:  # (a module's get_extra_state)
+        raise ValueError(
+            f"save_sparse(): expected only tensors in the state_dict (safetensors stores tensors), got "
+            f"{_some(others)} of types {sorted({type(state[n]).__name__ for n in others})}: save it with "
+            "torch.save"
+        )
     meta_names = [n for n, t in state.items() if t.device.type == "meta"]
     if meta_names:
         raise ValueError(
             f"save_sparse(): expected tensors with data, got {meta_names[:5]} on the meta device"
         )
     tensors, tied = _tensors_to_write(state)
-    record = {"format": FORMAT, "layers": layers, "tied": tied}
+    # The dtypes of the floating buffers the file does not hold (non-persistent): the model computes them
+    # again when built, in its factory's dtype; load_sparse gives them the dtype they had here (a model
+    # converted with .half() before saving).
+    floating = {
+        f"{fqn}.{n}" if fqn else n: str(b.dtype).removeprefix("torch.")
+        for fqn, module in model.named_modules()
+        for n, b in module._buffers.items()
+        if b is not None and b.is_floating_point() and n in module._non_persistent_buffers_set
+    }
+    record = {"format": FORMAT, "layers": layers, "tied": tied, "buffer_dtypes": floating}
     save_file(
         tensors,
         os.fspath(path),
@@ -153,19 +169,39 @@ def read_sparse_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         got = record.get("format") if isinstance(record, dict) else record
         raise ValueError(f"load_sparse(): expected bsrkit checkpoint format {FORMAT}, got {got!r}")
+    malformed = f"load_sparse(): malformed {METADATA_KEY!r} metadata in {os.fspath(path)!r}:"
     layers = record.get("layers")
     for fqn, spec in layers.items() if isinstance(layers, dict) else [("layers", layers)]:
         lacking = sorted(_LAYER_KEYS - set(spec)) if isinstance(spec, dict) else sorted(_LAYER_KEYS)
         if lacking:
-            raise ValueError(
-                f"load_sparse(): malformed {METADATA_KEY!r} metadata in {os.fspath(path)!r}: layer {fqn!r} "
-                f"lacks {lacking}"
-            )
+            raise ValueError(f"{malformed} layer {fqn!r} lacks {lacking}")
+        assert isinstance(spec, dict)
+        wrong = [key for key, ok in _LAYER_CHECKS.items() if not ok(spec[key])]
+        if wrong:
+            raise ValueError(f"{malformed} layer {fqn!r} has malformed {wrong}: {[spec[k] for k in wrong]}")
+    for key in ("tied", "buffer_dtypes"):  # (names to names; buffer_dtypes: absent from older files)
+        entries = record.setdefault(key, {}) if key == "buffer_dtypes" else record.get(key)
+        if not (isinstance(entries, dict) and all(isinstance(v, str) for v in entries.values())):
+            raise ValueError(f"{malformed} expected {key!r} to map names to names, got {entries!r}")
+    for name, dtype in record["buffer_dtypes"].items():
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"{malformed} buffer {name!r} has no dtype {dtype!r}")
     return record
 
 
-# What save_sparse records of each layer.
-_LAYER_KEYS = frozenset({"in_features", "out_features", "blocksize", "nnz", "bias"})
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+# What save_sparse records of each layer, and what each must be.
+_LAYER_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "in_features": _is_count,
+    "out_features": _is_count,
+    "blocksize": lambda v: isinstance(v, list) and len(v) == 2 and all(_is_count(b) and b for b in v),
+    "nnz": _is_count,
+    "bias": lambda v: isinstance(v, bool),
+}
+_LAYER_KEYS = frozenset(_LAYER_CHECKS)
 
 
 @contextlib.contextmanager
@@ -244,19 +280,28 @@ def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
         names = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
         if not names:
             continue
-        if callable(init) and not any(True for _ in module.parameters(recurse=False)):
+        floating = all(
+            b.is_floating_point() for n, b in module._buffers.items() if n in names and b is not None
+        )
+        if callable(init) and floating and not any(True for _ in module.parameters(recurse=False)):
+            # NaN until written: an _init_weights that does not compute them (one that initialises the
+            # linear layers only) leaves NaN, and they stay errors, never uninitialised memory
             for n in names:
                 buffer = module._buffers[n]
                 assert buffer is not None
-                module._buffers[n] = torch.empty_like(buffer, device=device)
+                module._buffers[n] = torch.full_like(buffer, torch.nan, device=device)
             with torch.no_grad():
                 init(module)
-            names = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
+            names = [
+                n for n, b in module._buffers.items()
+                if b is not None and (b.device.type == "meta" or (n in names and bool(b.isnan().any())))
+            ]  # fmt: skip
         if names:
             raise ValueError(
                 f"load_sparse(): the model's buffers {[f'{fqn}.{n}' if fqn else n for n in names]} are on "
-                "the meta device and not in the checkpoint (non-persistent); pass a factory instead of a "
-                "model built on meta (load_sparse builds buffers for real)"
+                "the meta device and not in the checkpoint (non-persistent), and its _init_weights (if any) "
+                "did not compute them; pass a factory instead of a model built on meta (load_sparse builds "
+                "buffers for real)"
             )
 
 
@@ -279,7 +324,7 @@ def load_sparse(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"load_sparse(): expected dtype to be a floating torch.dtype or None, got {dtype!r}")
     record = read_sparse_metadata(path)
-    device = torch.device(device)
+    device = _real_device(device)
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
     elif callable(model_or_factory):
@@ -335,7 +380,39 @@ def load_sparse(
         elif leaf in owner._buffers:  # (tied layers' pattern: sparsify_ shares their index buffers too)
             owner._buffers[leaf] = model.get_buffer(source)
     _materialise_buffers(model, device)
+    _cast_computed_buffers(model, stored, record["buffer_dtypes"], dtype)
     return model.to(device)
+
+
+def _real_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` that can hold the checkpoint's tensors, or a ``ValueError``."""
+    try:
+        device = torch.device(device)
+        if device.type == "meta":
+            raise ValueError("meta holds no data")
+        if device.type != "cpu":
+            torch.empty(0, device=device)  # (a device this process can use: CUDA present, index in range)
+    except (RuntimeError, ValueError, TypeError, AssertionError) as exc:
+        raise ValueError(
+            f"load_sparse(): expected device to be a device that holds data, got {device!r}: {exc}"
+        ) from None
+    return device
+
+
+def _cast_computed_buffers(
+    model: nn.Module, stored: set[str], recorded: dict[str, str], dtype: torch.dtype | None
+) -> None:
+    """Give the floating buffers the file does not hold (computed by the model's factory) the dtype the
+    loaded model has: ``dtype`` when given (as ``model.to(dtype)`` would), else the one they had when
+    saved."""
+    for fqn, module in model.named_modules():
+        for n, b in module._buffers.items():
+            name = f"{fqn}.{n}" if fqn else n
+            if b is None or not b.is_floating_point() or name in stored:
+                continue
+            want = dtype if dtype is not None else getattr(torch, recorded.get(name, ""), None)
+            if isinstance(want, torch.dtype) and b.dtype != want:
+                module._buffers[n] = b.to(want)
 
 
 @contextlib.contextmanager

@@ -102,9 +102,12 @@ class BSRLinear(nn.Module):
         self.in_features, self.out_features, self.blocksize = in_features, out_features, (bo, bi)
         # The pattern is drawn on the CPU whatever the default device (under ``torch.device("meta")`` its
         # size could not be read); only the values and the buffers go to ``device``.
-        mask = (
-            torch.rand((out_features // bo, in_features // bi), generator=generator, device="cpu") < density
-        )
+        # (round(density * blocks) of them, at random: the count from_dense and sparsify_ keep)
+        grid = (out_features // bo, in_features // bi)
+        chosen = torch.rand(grid, generator=generator, device="cpu").flatten().argsort()
+        mask = torch.zeros(grid[0] * grid[1], dtype=torch.bool, device="cpu")
+        mask[chosen[: round(density * mask.numel())]] = True
+        mask = mask.reshape(grid)
         bound = 1 / math.sqrt(in_features) if in_features else 0.0
         values = torch.empty((int(mask.sum()), bo, bi), device=device, dtype=dtype).uniform_(
             -bound, bound, generator=generator
@@ -266,7 +269,11 @@ class BSRLinear(nn.Module):
         crow, col, values = (state_dict.get(prefix + n) for n in names)
         # (the pattern is judged on index data that can be read: plain tensors with memory, whatever the
         # values are, a Parameter in a keep_vars=True state_dict for one)
-        plain = all(type(t) is torch.Tensor and t.device.type != "meta" for t in (crow, col))
+        # One index tensor alone is judged with the layer's other one: together they are what it loads.
+        judged = (self.crow_indices if crow is None else crow, self.col_indices if col is None else col)
+        plain = (crow is not None or col is not None) and all(
+            type(t) is torch.Tensor and t.device.type != "meta" for t in judged
+        )
         features = local_metadata.get(_FEATURES_KEY)
         if features is not None and tuple(features) != (self.out_features, self.in_features):
             raise ValueError(
@@ -274,18 +281,21 @@ class BSRLinear(nn.Module):
                 f"(out_features, in_features) = {tuple(features)}, this layer has "
                 f"{(self.out_features, self.in_features)}"
             )
-        nnz = self._check_checkpoint(state_dict, prefix, crow, col, values, plain)
-        before = None
+        nnz = self._check_checkpoint(state_dict, prefix, crow, col, values, judged if plain else None)
         # (col_indices too: a tied layer, see sparsify_, finds the values its twin resized already)
-        if nnz is not None and (nnz != self.values.shape[0] or nnz != self.col_indices.shape[0]):
-            before = self._parts()
+        resize = nnz is not None and (nnz != self.values.shape[0] or nnz != self.col_indices.shape[0])
+        # torch loads each entry on its own and goes on past a failed one: the layer as it was, to put
+        # back (a new pattern with the old values, or the new nnz's uninitialised ones, is no layer)
+        before = self._parts(copy_values=not resize)
+        if resize:
+            assert nnz is not None
             self._resize(nnz)
         errors = len(error_msgs)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        if before is not None and len(error_msgs) > errors:
-            self._restore(before)  # (not the new nnz's uninitialised values: the layer as it was)
+        if len(error_msgs) > errors:
+            self._restore(before)
             return
         if plain:
             # New memory for the loaded pattern (the plans would see an in-place copy too: they compare
@@ -309,10 +319,11 @@ class BSRLinear(nn.Module):
         crow: Any,
         col: Any,
         values: Any,
-        plain: bool,
+        pattern: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> int | None:
         """Raise ``ValueError`` for a checkpoint this layer cannot take; return its nnz (None when it
-        holds neither values nor col_indices)."""
+        holds neither values nor col_indices). ``pattern``: the ``(crow, col)`` it would load, where they
+        can be read (judged here), else None."""
         where = f"BSRLinear.load_state_dict(): {prefix}"
         bo, bi = self.blocksize
         blocks = (self.out_features // bo, self.in_features // bi)
@@ -332,6 +343,8 @@ class BSRLinear(nn.Module):
             n: t.shape[0] for n, t in parts.items() if n != "crow_indices" and isinstance(t, torch.Tensor)
         }
         if not sizes:
+            if pattern is not None:  # (a crow_indices alone, with this layer's col_indices)
+                self._check_pattern(prefix, pattern, blocks, pattern[1].shape[0])
             return None
         if len(set(sizes.values())) > 1:
             raise ValueError(
@@ -345,14 +358,20 @@ class BSRLinear(nn.Module):
                 f"{self.values.shape[0]}) must hold crow_indices, col_indices and values together, got only "
                 f"{[prefix + n for n, t in parts.items() if t is not None]}"
             )
-        if plain:
-            defect = pattern_defect(crow, col, *blocks, nnz)
-            if defect is not None:
-                raise ValueError(
-                    f"BSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices and "
-                    f"{prefix}col_indices: {defect}"
-                )
+        if pattern is not None:
+            self._check_pattern(prefix, pattern, blocks, nnz)
         return nnz
+
+    @staticmethod
+    def _check_pattern(
+        prefix: str, pattern: tuple[torch.Tensor, torch.Tensor], blocks: tuple[int, int], nnz: int
+    ) -> None:
+        defect = pattern_defect(*pattern, *blocks, nnz)
+        if defect is not None:
+            raise ValueError(
+                f"BSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices and "
+                f"{prefix}col_indices: {defect}"
+            )
 
     def _resize(self, nnz: int) -> None:
         """Make room for ``nnz`` blocks (the loader then copies or assigns the checkpoint's tensors). The
@@ -368,11 +387,14 @@ class BSRLinear(nn.Module):
             if col.shape[0] != nnz:
                 _rebind(col, col.new_empty(nnz))
 
-    def _parts(self) -> tuple[Any, ...]:
-        """What :meth:`_restore` needs to put the layer back as it is now (after a failed load)."""
+    def _parts(self, copy_values: bool) -> tuple[Any, ...]:
+        """What :meth:`_restore` needs to put the layer back as it is now (after a failed load): copies of
+        what a load writes in place (the values only if ``copy_values``: a resize gives them new memory
+        first, so the old stay as they are)."""
         values, crow, col, bias = self.values, self.crow_indices, self.col_indices, self.bias
         kept_bias = None if bias is None else bias.detach().clone()
-        return (values, values.data, values.grad, crow, crow.clone(), col, col.detach(), bias, kept_bias)
+        data = values.detach().clone() if copy_values else values.data
+        return (values, data, values.grad, crow, crow.clone(), col, col.detach().clone(), bias, kept_bias)
 
     def _restore(self, parts: tuple[Any, ...]) -> None:
         values, data, grad, crow, crow_copy, col, col_alias, bias, bias_copy = parts
