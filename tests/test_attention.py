@@ -559,3 +559,9 @@ def test_a_broadcast_mask_first_used_under_inference_mode_keeps_its_plans(monkey
     for _ in range(5):
         torch.testing.assert_close(bsrkit.scaled_dot_product_attention(q, q, q, mask), y)
     assert len(checks) <= 2  # (the mask's pattern and its broadcast's, once each)
+
+
+def test_mask_from_dense_names_a_mask_of_another_dtype():
+    for bad in (torch.ones(8, 8), "mask"):
+        with pytest.raises(ValueError, match=r"mask_from_dense\(\): expected mask to be a strided bool"):
+            bsrkit.mask_from_dense(bad, 4)  # (ArgumentTypeError: a ValueError and a TypeError)

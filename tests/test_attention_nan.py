@@ -108,3 +108,30 @@ def test_double_backward_raises_instead_of_dropping_the_second_order(path):
     assert dq.requires_grad
     with pytest.raises(RuntimeError, match=r"scaled_dot_product_attention\(\): double backward"):
         dq.pow(2).sum().backward()
+
+
+def test_double_backward_through_autograd_grad_raises_too(path):
+    # autograd.grad runs only the nodes on the paths to its inputs: the error's node must lie on them
+    # (it hung on detached leaves, so a penalty's term for a weight upstream of q was silently dropped).
+    if path == "triton":
+        pytest.skip("interpreter time")
+    mask = bsrkit.sliding_window_mask(L, WINDOW, BS)
+    x = torch.randn(L, E, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(E, E, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(L, E, dtype=torch.float64) for _ in range(2))
+    out = bsrkit.scaled_dot_product_attention(x @ w, k, v, mask)
+    loss = out.pow(2).sum()
+    (dx,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"scaled_dot_product_attention\(\): double backward"):
+        torch.autograd.grad(loss + dx.pow(2).sum(), w)
+
+
+def test_forward_mode_ad_is_refused(path):
+    import torch.autograd.forward_ad as forward_ad
+
+    mask = bsrkit.causal_mask(L, BS)
+    q, k, v = (torch.randn(L, E, dtype=torch.float64) for _ in range(3))
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            bsrkit.scaled_dot_product_attention(dual, k, v, mask)

@@ -342,3 +342,16 @@ def test_tied_layers_sharing_their_bias_keep_sharing_it():
     model[2].weight, model[2].bias = model[0].weight, model[0].bias
     sparsify_(model, blocksize=4, density=0.5, force=True)
     assert model[0].values is model[2].values and model[0].bias is model[2].bias
+
+
+def test_break_even_density_takes_an_int_blocksize_as_sparsify_does():
+    assert bsrkit.sparsify.break_even_density("cpu", 32) == bsrkit.sparsify.break_even_density(
+        "cpu", (32, 32)
+    )
+    with pytest.raises(ValueError, match="break_even_density"):
+        bsrkit.sparsify.break_even_density("cpu", 0)
+
+
+def test_every_documented_submodule_is_reachable_from_the_package():
+    for name in ("checkpoint", "break_even", "regrow", "repattern", "model_demo", "places", "loading"):
+        assert getattr(bsrkit, name).__name__ == f"bsrkit.{name}"

@@ -60,9 +60,15 @@ __all__ = [
 ]
 
 
+_LAZY_SUBMODULES = frozenset({
+    "nn", "custom_ops", "reference", "tuning", "autograd", "distributed", "sparsify", "prune", "checkpoint",
+    "break_even", "regrow", "repattern", "model_demo", "loading", "places",
+})  # fmt: skip
+
+
 def __getattr__(name: str) -> object:
     # Submodules that import more (torch.library registrations, the reference) load on first use.
-    if name in ("nn", "custom_ops", "reference", "tuning", "autograd", "distributed", "sparsify", "prune"):
+    if name in _LAZY_SUBMODULES:
         import importlib
 
         return importlib.import_module(f"bsrkit.{name}")

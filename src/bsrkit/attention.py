@@ -163,6 +163,8 @@ def scaled_dot_product_attention(
         float(dropout_p),
         batch,
     )
+    if torch.autograd.forward_ad._current_level >= 0:
+        autograd.refuse_tangents((query, key, value, attn_mask))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return _Attention.apply(query, key, value, call)
     return _forward(query, key, value, call)[0]

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from bsrkit import dispatch
 from bsrkit.eager import eager_under_compile
@@ -37,7 +38,15 @@ from bsrkit.validation import resolved
 if TYPE_CHECKING:
     from bsrkit.backends.base import Backend
 
-__all__ = ["SECOND_ORDER_WARNING", "BsrDenseAddmm", "SampledAddmm", "first_order_only", "product", "sampled"]
+__all__ = [
+    "SECOND_ORDER_WARNING",
+    "BsrDenseAddmm",
+    "SampledAddmm",
+    "first_order_only",
+    "product",
+    "refuse_tangents",
+    "sampled",
+]
 
 # A backward under create_graph whose incoming gradient carries no graph: sampled_addmm's result is a BSR
 # tensor, and torch's backward of a BSR's values() and of its constructor returns gradients without one
@@ -48,6 +57,18 @@ SECOND_ORDER_WARNING = (
     "without a graph (torch's BSR values() and constructor pass none): second-order gradients are exact "
     "only if the loss is linear in the result's values"
 )
+
+
+def refuse_tangents(tensors: tuple[Any, ...]) -> None:
+    """Forward-mode AD is not implemented: a tangent would be dropped silently (torch's sparse products
+    raise NotImplementedError too). Callers ask only inside a dual level (``forward_ad._current_level``)."""
+    for t in tensors:
+        dual = isinstance(t, torch.Tensor) and t.layout is torch.strided
+        if dual and forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                "bsrkit: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not implemented for "
+                "its products and attention: use reverse mode (backward, torch.func.vjp)"
+            )
 
 
 def first_order_only(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -70,7 +91,12 @@ def first_order_only(op: str) -> Callable[[Callable[..., Any]], Callable[..., An
             positions = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)]
             message = f"{op}(): double backward is not supported (its backward is computed without a graph)"
             delayed = torch._C._functions.DelayedError(message.encode(), len(positions))
-            marked = delayed(*(outputs[i].detach().requires_grad_() for i in positions))
+            # A zero on the graph of every tracked tensor (an empty slice's sum: exact, whatever the
+            # values), so that differentiating the outputs with respect to any of them (autograd.grad runs
+            # only the nodes on the paths to its inputs) reaches the error, never a silent gap.
+            zeros = [_values_of(t).flatten()[:0].sum() for t in tracked if t.requires_grad]
+            anchor = sum(zeros[1:], zeros[0])
+            marked = delayed(*(_anchored(outputs[i], anchor) for i in positions))
             marked = marked if isinstance(marked, tuple) else (marked,)
             result = list(outputs)
             for i, t in zip(positions, marked, strict=True):
@@ -80,6 +106,17 @@ def first_order_only(op: str) -> Callable[[Callable[..., Any]], Callable[..., An
         return backward
 
     return decorate
+
+
+def _values_of(t: torch.Tensor) -> torch.Tensor:
+    return t if t.layout is torch.strided else t.values()
+
+
+def _anchored(t: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """``t`` (computed without a graph) plus the zero ``anchor``: the same values, on anchor's graph."""
+    if t.layout is torch.strided:
+        return t + anchor.to(t.dtype)
+    return t.detach().requires_grad_()  # (a sparse gradient: marked alone, as before)
 
 
 def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:

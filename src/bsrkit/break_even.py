@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bsrkit import tuning
-from bsrkit.validation import is_density
+from bsrkit.validation import check_blocksize, is_density
 
 __all__ = ["DEFAULTS", "TABLE_NAME", "break_even_density", "measure", "table_key"]
 
@@ -60,13 +60,14 @@ def _default(device_type: str, blocksize: tuple[int, int]) -> float:
 
 
 def break_even_density(
-    device: torch.device | str, blocksize: tuple[int, int], dtype: torch.dtype = torch.float32
+    device: torch.device | str, blocksize: int | tuple[int, int], dtype: torch.dtype = torch.float32
 ) -> float:
     """The block density at or above which a block-sparse layer is expected to be no faster than dense on
     ``device`` (module docstring): the tuning table's entry for this device, dtype and blocksize; else
     :data:`DEFAULTS`: the entry of the largest listed blocksize <= ``min(blocksize)`` (a smaller one:
     proportionally less than the smallest's); 0.0 for a device type without measurements (every layer
     then stays dense unless forced)."""
+    blocksize = check_blocksize("break_even_density", blocksize)  # (an int: square blocks, as sparsify_)
     device = torch.device(device)
     if device.type in ("cpu", "cuda"):
         key = table_key(_device_name(device), dtype, blocksize)

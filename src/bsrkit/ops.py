@@ -160,25 +160,13 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 def _needs_grad(*tensors: Any) -> bool:
     if forward_ad._current_level >= 0:  # (inside a dual level only: a module attribute read otherwise)
-        _refuse_tangents(tensors)
+        autograd.refuse_tangents(tensors)
     if not torch.is_grad_enabled():
         return False
     for t in tensors:  # noqa: SIM110 (a loop, not any(): every product runs this)
         if isinstance(t, torch.Tensor) and t.requires_grad:  # (non-tensors: validation names them)
             return True
     return False
-
-
-def _refuse_tangents(tensors: tuple[Any, ...]) -> None:
-    """Forward-mode AD is not implemented: a tangent would be dropped silently (torch's sparse products
-    raise NotImplementedError too)."""
-    for t in tensors:
-        dual = isinstance(t, torch.Tensor) and t.layout is torch.strided
-        if dual and forward_ad.unpack_dual(t).tangent is not None:
-            raise NotImplementedError(
-                "bsrkit: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not implemented for "
-                "its products: use reverse mode (backward, torch.func.vjp)"
-            )
 
 
 def checked_addmm(

@@ -142,6 +142,7 @@ def _not_formed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def bsr_dense_mm(bsr: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``bsr @ dense`` from the stored blocks, computed in float64, as :func:`bsrkit.bsr_dense_mm`."""
     return _to_result(_stored_product(bsr, dense), dense.dtype)
 
 
@@ -170,6 +171,7 @@ def bsr_dense_addmm(
 
 
 def bsr_scatter_mm(bsr: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``bsr @ other``: what :func:`bsrkit.bsr_scatter_mm` computes, whatever its indices data."""
     return bsr_dense_mm(bsr, other)
 
 
@@ -225,6 +227,7 @@ def scatter_mm(
 
 
 def bsr_transposed_dense_mm(bsr: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """``bsr.mT @ dense`` from the stored blocks, as :func:`bsrkit.bsr_transposed_dense_mm`."""
     return _to_result(_stored_product(bsr, dense, transposed=True), dense.dtype)
 
 
