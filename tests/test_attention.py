@@ -327,7 +327,7 @@ def test_builders():
         ValueError, match=r"sliding_window_mask\(\): expected the blocksize \(5, 5\) to divide"
     ):
         bsrkit.sliding_window_mask(24, 3, 5)
-    with pytest.raises(TypeError, match=r"mask_from_dense\(\): expected a strided bool tensor"):
+    with pytest.raises(TypeError, match=r"mask_from_dense\(\): expected mask to be a strided bool tensor"):
         bsrkit.mask_from_dense(torch.zeros(4, 4), 2)
 
 
