@@ -98,3 +98,23 @@ def test_bsr_linear_reads_a_negative_input(dtype, rows):
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
             assert_close(layer(neg_view(x)), expected.to(dtype), k=32)
+
+
+@pytest.mark.parametrize("product_path", product_paths(*CPU_PATHS, "torch"), indirect=True)
+@pytest.mark.parametrize("fmt", ["bsr_strided_mm", "bsr_strided_mm_compressed", "scatter_mm"])
+def test_scatter_writes_a_negative_out_and_accumulators_as_torch_does(product_path, fmt):
+    # (the kernels wrote the memory of the view, not its values: every entry had the wrong sign)
+    g = torch.Generator().manual_seed(7)
+    bsr = torch.randn(32, 48, generator=g).to_sparse_bsr((16, 16))
+    other = torch.randn(48, 32, generator=g)
+    idx = bsrkit.bsr_scatter_mm_indices_data(bsr, other, indices_format=fmt)
+    out = torch._neg_view(torch.zeros(32, 32))
+    bsrkit.bsr_scatter_mm(bsr, other, indices_data=idx, out=out)
+    assert_close(out, reference.bsr_dense_mm(bsr, other), k=48)
+    if fmt == "scatter_mm":
+        return
+    start = torch.randn(1, 32, 32, generator=g)
+    idx = bsrkit.bsr_scatter_mm_indices_data(bsr, other.unsqueeze(0), indices_format=fmt)
+    acc = torch._neg_view(start.neg())  # (holding start's values)
+    bsrkit.scatter_mm(bsr.values(), other.unsqueeze(0), idx, accumulators=acc)
+    assert_close(acc, reference.scatter_mm(bsr.values(), other.unsqueeze(0), idx, start), k=48)

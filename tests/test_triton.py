@@ -40,6 +40,14 @@ def test_scatter_mm_accumulates():
     assert_close(bsrkit.scatter_mm(blocks, others, data, accumulators=acc.clone()), expected, k=3)
 
 
+def test_integer_blocks_are_refused_by_name():
+    # (a raw KeyError from the kernels' accumulator table; on CUDA, chosen automatically, the same)
+    data = ("scatter_mm", torch.tensor([0, 1]), torch.tensor([[0, 0]]))
+    blocks, others = torch.ones(1, 2, 2, dtype=torch.int32), torch.ones(1, 2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="triton has no torch.int32 kernels"):
+        bsrkit.scatter_mm(blocks, others, data)
+
+
 def test_meta_override_and_tuning_table(tmp_path, monkeypatch):
     bsr = random_bsr((32, 32), (8, 8), 0.5)
     dense = torch.randn(32, 40)

@@ -201,6 +201,10 @@ def _scatter_mm(
         # (hand-made tiles may overlap, and each sums into its place: see scatter_mm)
         check_out(op, accumulators, acc_shape, blocks.dtype, blocks.device, "accumulators", distinct=False)
     blocks, others = resolved(blocks), resolved(others)  # (the kernels read memory)
+    if accumulators.is_neg():  # (read and written as memory: summed in a copy of its values, put back)
+        summed = resolved(accumulators)
+        _run_scatter(op, blocks, others, indices_data, summed, tuple(others.shape), acc_shape, overwrite)
+        return accumulators.copy_(summed)
     _run_scatter(op, blocks, others, indices_data, accumulators, tuple(others.shape), acc_shape, overwrite)
     return accumulators
 
@@ -267,6 +271,9 @@ def bsr_scatter_mm(
             f"{op}(): expected out not to share memory with bsr's values, got overlapping tensors"
         )
     _check_no_grad(op, bsr=bsr, other=other)
+    if isinstance(out, torch.Tensor) and out.layout is torch.strided and out.is_neg():
+        # (the kernels write memory: a negative view takes the product through copy_, which negates)
+        return out.copy_(bsr_scatter_mm(bsr, other, indices_data))
     check_strided(op, "other", other)
     check_same_dtype(op, "other", other, "bsr", bsr)
     check_same_device(op, "other", other, "bsr", bsr)

@@ -49,6 +49,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 class TritonBackend:
     """Triton kernels: one program per (batch, block row, row tile, column tile) of the output."""
 
@@ -79,6 +82,8 @@ class TritonBackend:
             return ["has no bfloat16 on CPU tensors (Triton's interpreter computes bfloat16 dots wrongly)"]
         if device.type not in ("cpu", "cuda"):
             return [f"needs CUDA tensors, got device {device}"]
+        if dtype not in _FLOATING:  # (int8 products run on the float kernels: ops.checked_addmm)
+            return [f"has no {dtype} kernels (float16, bfloat16, float32, float64)"]
         return []
 
     def tuning_device(self, device: torch.device) -> str:
