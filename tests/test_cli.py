@@ -35,6 +35,8 @@ def test_demo_runs_and_checks_its_result(capsys):
         ["tune", "--shapes", "64x60x8", "--blocksizes", "16"],
         ["tune", "--blocksizes", "0x4"],
         ["tune", "--repeats", "0"],
+        ["tune", "--shapes", ","],
+        ["tune", "--blocksizes", ""],
         ["bench", "--repeats", "-3"],
         ["demo", "--density", "nan"],
         ["bench", "--densities", "nan"],
@@ -346,3 +348,70 @@ def test_tune_times_a_weight_with_blocks_even_on_a_tiny_grid(tmp_path, monkeypat
     monkeypatch.setattr(cli, "_tune_shape", lambda bsrs, *a: seen.append(bsrs[0]._nnz()) or real(bsrs, *a))
     assert main(["tune", "--shapes", "16x16x1,64x64x4", "--blocksizes", "16", "--threads", "1"]) == 0
     assert seen == [1, 2]  # (at least one block; else 10% of 16, rounded)
+
+
+def test_one_malformed_entry_is_ignored_alone_and_tune_keeps_the_rest(tmp_path, monkeypatch):
+    table = tmp_path / "t.json"
+    key = tuning.table_key(tuning.cpu_device_name(), "bsr_dense_mm", torch.float32, (8, 8, 8), (4, 4))
+    good = {"panel": 8, "nthreads": 1}
+    table.write_text(json.dumps({"format": "bsrkit-tuning", "version": 1, "entries": {key: good, "bad": 3}}))
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    monkeypatch.setattr(tuning, "_warned", set())
+    with pytest.warns(tuning.TuningWarning, match="ignoring 1 entries .* not parameter dicts"):
+        assert tuning.load_table()[key] == good
+    argv = ["tune", "--shapes", "16x16x16", "--blocksizes", "8", "--panels", "16", "--threads", "1"]
+    assert main([*argv, "--repeats", "1"]) == 0
+    assert json.loads(table.read_text())["entries"][key] == good
+
+
+def test_tune_runs_the_backend_it_tunes_whatever_is_forced(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "t.json"))
+    monkeypatch.setenv("BSRKIT_BACKEND", "torch")  # (no parameters: every candidate the same code)
+    seen = []
+    real = tuning.resolve
+    monkeypatch.setattr(tuning, "resolve", lambda *a: seen.append(a) or real(*a))
+    argv = ["tune", "--shapes", "16x16x16", "--blocksizes", "8", "--panels", "16", "--threads", "1"]
+    assert main([*argv, "--repeats", "1"]) == 0
+    assert seen and os.environ["BSRKIT_BACKEND"] == "torch"
+
+
+def test_ctrl_c_during_tune_keeps_the_shapes_that_finished(tmp_path, monkeypatch, capsys):
+    from bsrkit import cli
+
+    table = tmp_path / "t.json"
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    real, calls = cli._tune_shape, []
+
+    def interrupted_second(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(cli, "_tune_shape", interrupted_second)
+    argv = ["tune", "--shapes", "8x8x8,16x16x16", "--blocksizes", "4", "--panels", "8", "--threads", "1"]
+    assert main([*argv, "--repeats", "1"]) == 130
+    assert len(json.loads(table.read_text())["entries"]) == 2  # (the first shape, both orientations)
+
+
+@pytest.mark.parametrize("value", ["false", "off", "yes"])
+def test_switch_variables_refuse_other_values_by_name(monkeypatch, value):
+    monkeypatch.setenv("BSRKIT_FUSED_ATTENTION", value)
+    mask = bsrkit.sliding_window_mask(32, 4, 8)
+    q = torch.randn(32, 16)
+    with pytest.raises(ValueError, match=r"\$BSRKIT_FUSED_ATTENTION in \('0', '1'\)"):
+        bsrkit.scaled_dot_product_attention(q, q, q, mask)
+
+
+def test_fallback_warning_names_the_dtype_and_only_ops_tune_can_tune(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "missing.json"))
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    monkeypatch.setattr(tuning, "_warned", set())
+    bsr = random_bsr((32, 32), (8, 8), 0.5, dtype=torch.float64)
+    with pytest.warns(tuning.TuningWarning, match="--blocksizes 8x8 --dtype float64`"):
+        bsrkit.bsr_dense_mm(bsr, torch.randn(32, 16, dtype=torch.float64))
+    monkeypatch.setattr(tuning, "_warned", set())
+    with pytest.warns(tuning.TuningWarning, match="bsrkit tune` tunes the products only"):
+        bsrkit.sampled_addmm(
+            bsr, torch.randn(32, 16, dtype=torch.float64), torch.randn(16, 32, dtype=torch.float64)
+        )

@@ -228,3 +228,12 @@ def test_a_chosen_thread_count_runs_below_the_serial_cut_off(tmp_path, monkeypat
     assert_close(got.to_dense(), reference.sampled_addmm(bsr, a, b).to_dense(), k=40)
     chosen = 1 if source == "default" else 2
     assert seen == [chosen, chosen, 2 if source == "table" else 1]
+
+
+def test_a_table_reached_through_a_link_is_updated_where_it_lives(tmp_path):
+    real = tmp_path / "real.json"
+    tuning.save_entries({"old": {"panel": 8}}, real)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    tuning.save_entries({"new": {"panel": 16}}, link)
+    assert link.is_symlink() and set(json.loads(real.read_text())["entries"]) == {"old", "new"}

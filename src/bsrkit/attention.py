@@ -48,7 +48,7 @@ from bsrkit import autograd, dispatch
 from bsrkit.backends.base import Backend, FusedAttention, fused_attention
 from bsrkit.cache import library_cache, weak_lru_cache
 from bsrkit.eager import eager_under_compile
-from bsrkit.environment import getenv
+from bsrkit.environment import flag
 from bsrkit.mask_bias import BlockBias, cached_block_bias
 from bsrkit.masks import (  # (re-exported: the builders lived here)
     block_local_mask,
@@ -207,7 +207,7 @@ def _may_fuse(
     which a BLAS may fold into an operand (``scale * key`` overflows where the scaled product does not:
     a zero query row gave NaN) or, for NaN, ignore in some shapes; the composed path scales the formed
     product."""
-    if getenv(FUSED_ENV) == "0":
+    if not flag(FUSED_ENV, True):
         return False
     if not (math.isfinite(scale) and abs(scale) <= _FUSED_SCALE_MAX):
         return False

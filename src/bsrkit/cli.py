@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import torch
 
 from bsrkit.benchmarking import median_seconds, random_bsr_weight, streamed_copies
-from bsrkit.environment import getenv
+from bsrkit.environment import flag
 
 __all__ = ["main"]
 
@@ -352,12 +352,10 @@ def _candidates(args: argparse.Namespace, N: int, Ks: int) -> list[dict[str, int
 
 
 def tune(args: argparse.Namespace) -> int:
-    if args.backend != "triton":
-        return _tune(args)
     import os
 
     previous = os.environ.get("BSRKIT_BACKEND")
-    os.environ["BSRKIT_BACKEND"] = "triton"  # while tuning: the products run the Triton kernels
+    os.environ["BSRKIT_BACKEND"] = args.backend  # while tuning: the products run the tuned kernels
     try:
         return _tune(args)
     finally:
@@ -368,7 +366,6 @@ def tune(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
 
     from bsrkit import tuning
     from bsrkit.benchmarking import DTYPES
@@ -390,6 +387,27 @@ def _tune(args: argparse.Namespace) -> int:
     shapes = args.shapes or [(n, n, n) for n in args.sizes]
     found: dict[str, dict[str, Any]] = {}
     jobs = [(shape, bs) for shape in shapes for bs in args.blocksizes]
+    try:
+        _tune_shapes(args, jobs, device, device_name, dtype, found)
+    finally:  # (Ctrl-C: the shapes that finished are kept)
+        if found:
+            path = tuning.save_entries(found, table)
+            print(f"wrote {len(found)} entries to {path}")
+    return 0
+
+
+def _tune_shapes(
+    args: argparse.Namespace,
+    jobs: list[Any],
+    device: torch.device,
+    device_name: str,
+    dtype: torch.dtype,
+    found: dict[str, dict[str, Any]],
+) -> None:
+    from tqdm import tqdm
+
+    from bsrkit import tuning
+
     g = torch.Generator().manual_seed(0)
     for (M, K, N), (Ms, Ks) in tqdm(jobs, desc="bsrkit tune", unit="shape", file=sys.stderr):
         # (exactly the density's share of blocks, at least one: a draw of none timed a product that
@@ -418,9 +436,6 @@ def _tune(args: argparse.Namespace) -> int:
                 "density": args.density,
                 "streamed": args.streamed,
             }
-    path = tuning.save_entries(found, table)
-    print(f"wrote {len(found)} entries to {path}")
-    return 0
 
 
 def _tune_break_even(
@@ -459,6 +474,8 @@ def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
         if min(M, K, N) <= 0:
             raise argparse.ArgumentTypeError(f"expected positive M, K, N, got {item!r}")
         shapes.append((M, K, N))
+    if not shapes:
+        raise argparse.ArgumentTypeError(f"expected shapes like 4096x4096x256 (MxKxN), got {text!r}")
     return shapes
 
 
@@ -473,6 +490,8 @@ def _parse_blocks(text: str) -> list[tuple[int, int]]:
         if len(values) not in (1, 2) or min(values) <= 0:
             raise argparse.ArgumentTypeError(f"expected blocksizes like 32 or 32x16, got {item!r}")
         blocks.append((values[0], values[-1]))
+    if not blocks:
+        raise argparse.ArgumentTypeError(f"expected blocksizes like 32 or 32x16, got {text!r}")
     return blocks
 
 
@@ -595,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bsrkit {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # one line, no traceback (BSRKIT_TRACEBACK=1 shows it)
-        if getenv("BSRKIT_TRACEBACK"):
+        if flag("BSRKIT_TRACEBACK", False):
             raise
         print(f"bsrkit {args.command}: error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return 1

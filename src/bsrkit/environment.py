@@ -13,7 +13,7 @@ import functools
 import os
 from collections.abc import Callable
 
-__all__ = ["getenv", "reader"]
+__all__ = ["flag", "getenv", "reader"]
 
 _environ = os.environ
 _data = getattr(_environ, "_data", None)  # CPython's os._Environ: {encoded key: encoded value}
@@ -37,3 +37,14 @@ def reader(name: str) -> Callable[[], str | bytes | None]:
     if _data is None:
         return functools.partial(_environ.get, name)
     return functools.partial(_data.get, _environ.encodekey(name))
+
+
+def flag(name: str, default: bool) -> bool:
+    """A switch variable: ``1`` on, ``0`` off, unset or empty ``default``; any other value raises
+    ``ValueError`` naming it (``false`` or ``off`` would otherwise be read one way or the other, silently)."""
+    value = getenv(name)
+    if value is None or value == "":
+        return default
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"bsrkit: expected ${name} in ('0', '1') or unset, got {value!r}")

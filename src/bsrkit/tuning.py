@@ -183,9 +183,18 @@ def load_table(path: Path | str | None = None) -> dict[str, dict[str, Any]]:
         if data.get("version") != _VERSION:
             raise ValueError(f"version {data.get('version')!r}, expected {_VERSION}")
         raw = data.get("entries")
-        if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
-            raise ValueError("'entries' is not a mapping of parameter dicts")
-        entries = raw
+        if not isinstance(raw, dict):
+            raise ValueError("'entries' is not a mapping")
+        # A malformed entry is ignored on its own (warned once), as a bad value is (see resolve); the
+        # rest of the table stays, and a later save keeps it.
+        entries = {k: v for k, v in raw.items() if isinstance(v, dict)}
+        bad = sorted(k for k, v in raw.items() if not isinstance(v, dict))
+        if bad:
+            _warn_once(
+                f"bad-entries:{path}:{mtime}",
+                f"bsrkit: ignoring {len(bad)} entries of tuning table {path} that are not parameter dicts: "
+                f"{bad[:3]}{' ...' if len(bad) > 3 else ''}",
+            )
     except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         _warn_once(f"bad:{path}:{mtime}", f"bsrkit: ignoring tuning table {path}: {reason}")
@@ -262,6 +271,8 @@ def save_entries(new: dict[str, dict[str, Any]], path: Path | None = None) -> Pa
     lock, keeping the file's permissions: concurrent writers lose no entries, and a failed write leaves
     no temporary file."""
     path = Path(path) if path is not None else default_table_path()
+    # (through a symbolic link: the file it names is updated, the link stays)
+    path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
         _refuse_foreign(path)
@@ -304,12 +315,19 @@ def lookup(
         found = shipped.get(key) or shipped.get(class_key(device, op, dtype, shape[2], blocksize))
     if found is None and "fallback" not in _warned:  # (checked first: the message costs ~2 µs to format)
         M, K, N = shape
+        name = str(dtype).removeprefix("torch.")
+        # (bsrkit tune times the products, both orientations; other ops keep their defaults)
+        advice = (
+            f"Run `bsrkit tune {tune_flag}--shapes {M}x{K}x{N} --blocksizes {blocksize[0]}x{blocksize[1]}"
+            f"{'' if name == 'float32' else ' --dtype ' + name}` to tune"
+            if op in _TUNABLE
+            else "`bsrkit tune` tunes the products only"
+        )
         _warn_once(
             "fallback",
-            f"bsrkit: no tuned parameters for {op} {str(dtype).removeprefix('torch.')} "
-            f"M,K,N={M},{K},{N} blocksize {blocksize[0]}x{blocksize[1]} on {device_name or 'this CPU'}; "
-            f"using defaults. Run `bsrkit tune {tune_flag}--shapes {M}x{K}x{N} "
-            f"--blocksizes {blocksize[0]}x{blocksize[1]}` to tune (this warning is shown once per process).",
+            f"bsrkit: no tuned parameters for {op} {name} M,K,N={M},{K},{N} blocksize "
+            f"{blocksize[0]}x{blocksize[1]} on {device_name or 'this CPU'}; using defaults. {advice} (this "
+            "warning is shown once per process).",
         )
     return found
 
@@ -324,6 +342,7 @@ TABLE_NAMES = {
     ("scatter_mm", ""): "scatter_mm",
 }
 _KERNEL_OF = {name: kernel for (kernel, _), name in TABLE_NAMES.items()}
+_TUNABLE = (TABLE_NAMES["addmm", ""], TABLE_NAMES["addmm", "transposed"])  # (what bsrkit tune writes)
 
 
 def resolve(
