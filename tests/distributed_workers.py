@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -297,14 +298,55 @@ def scenario_tp(rank: int, world: int, out: Path) -> dict:
             "row_counts": full.crow_indices.diff().tolist(),
             "ranks": everyone,
         }
-    # Ranks built with different seeds: every rank refuses (none is left waiting in a collective).
-    try:
-        BlockRowParallelBSRLinear(uniform_layer(rank))
-    except ValueError as exc:
-        results["mismatched_pattern_error"] = "same layer shape and pattern on every rank" in str(exc)
-    else:
-        results["mismatched_pattern_error"] = False
+    # Ranks built with different seeds, with patterns whose weighted column sums agree (a fingerprint the
+    # check was), with and without a bias, in two dtypes: every rank refuses (none is left waiting in a
+    # collective, or garbled by one).
+    refused = {}
+    for name, layer in (
+        ("seed", lambda: uniform_layer(rank)),
+        ("same_column_sum", lambda: _one_block_per_row([2, 0] if rank == 0 else [0, 1])),
+        ("bias", lambda: BSRLinear(16, 16, 4, bias=rank == 0, density=0.5, generator=_seeded(0))),
+        (
+            "dtype",
+            lambda: BSRLinear(16, 16, 4, density=0.5, generator=_seeded(0)).to(
+                torch.float64 if rank else torch.float32
+            ),
+        ),
+    ):
+        try:
+            BlockRowParallelBSRLinear(layer())
+        except ValueError as exc:
+            refused[name] = "on every rank" in str(exc)
+        else:
+            refused[name] = False
+    results["refused"] = refused
+    # A deep copy (an EMA model) shares the group and computes the same; a second derivative through
+    # the input gradient runs no in-place collective on the graph (torch warns about those).
+    full = uniform_layer(3)
+    tp = BlockRowParallelBSRLinear(copy.deepcopy(full))
+    twin = copy.deepcopy(tp)
+    x = torch.randn(3, full.in_features, generator=_seeded(5), requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (gx,) = torch.autograd.grad(tp(x).pow(2).sum(), x, create_graph=True)
+        gx.pow(2).sum().backward()
+    results["deepcopy_same"] = twin.group is tp.group and torch.equal(twin(x), tp(x))
+    results["double_backward_warnings"] = [str(w.message)[:80] for w in caught]
     return results
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _one_block_per_row(cols: list[int]) -> BSRLinear:
+    """A (4 * rows) x 12 layer of 4 x 4 blocks, one per block row, at the given block columns."""
+    dense = nn.Linear(12, 4 * len(cols))
+    with torch.no_grad():
+        dense.weight.zero_()
+        for i, j in enumerate(cols):
+            dense.weight[4 * i : 4 * i + 4, 4 * j : 4 * j + 4] = 1.0
+    return BSRLinear.from_dense(dense, 4, density=len(cols) / (3 * len(cols)))
 
 
 SCENARIOS = {

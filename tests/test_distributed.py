@@ -15,6 +15,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -181,8 +182,18 @@ def test_tensor_parallel_matches_unsharded_layer(two_ranks, pattern):
             assert diff <= TOL * max(1.0, r["scale"][name]), (name, diff, r["scale"][name])
 
 
-def test_tensor_parallel_refuses_ranks_with_different_patterns(two_ranks):
-    assert two_ranks[1]["tp"]["mismatched_pattern_error"]
+def test_tensor_parallel_refuses_ranks_with_different_layers(two_ranks):
+    assert two_ranks[1]["tp"]["refused"] == {
+        "seed": True,
+        "same_column_sum": True,
+        "bias": True,
+        "dtype": True,
+    }
+
+
+def test_tensor_parallel_deep_copies_and_differentiates_twice_without_warnings(two_ranks):
+    assert two_ranks[1]["tp"]["deepcopy_same"]
+    assert two_ranks[1]["tp"]["double_backward_warnings"] == []
 
 
 # ---- single-process tests -------------------------------------------------------------------------
@@ -222,8 +233,11 @@ def test_split_block_rows_balances_blocks_not_rows():
     assert split_block_rows(_crow(counts), 2) == [0, 2, 8]  # 18 + 22 blocks, not 36 + 4
     assert split_block_rows(_crow([0] * 5), 2) == [0, 2, 5]  # no blocks: even by rows
     assert split_block_rows(_crow([3, 3]), 4) == [0, 1, 2, 2, 2]  # more ranks than rows: empty ranks
-    with pytest.raises(ValueError, match=r"split_block_rows\(\): expected parts >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"split_block_rows\(\): expected parts to be an int >= 1, got 0"):
         split_block_rows(_crow([1]), 0)
+    assert split_block_rows(_crow([3, 3]), np.int64(2)) == [0, 1, 2]
+    with pytest.raises(ValueError, match="expected crow_indices to start at 0, got 5"):
+        split_block_rows(torch.tensor([5, 6, 7]), 2)
     with pytest.raises(ValueError, match="expected 1-D integer crow_indices"):
         split_block_rows(torch.zeros(2, 3, dtype=torch.int64), 2)
 
@@ -308,3 +322,20 @@ def test_distributed_is_loaded_lazily():
         "assert bsrkit.distributed.BlockRowParallelBSRLinear"
     )
     run_python(code, timeout=120)
+
+
+def test_tensor_parallel_names_bad_inputs(world_of_one):
+    tp = BlockRowParallelBSRLinear(BSRLinear(16, 16, 4, density=0.5))
+    for bad, error, match in (
+        (None, TypeError, "expected x to be a strided \\(dense\\) torch.Tensor, got NoneType"),
+        (torch.randn(2, 16).to_sparse(), TypeError, "got torch.sparse_coo"),
+        (
+            torch.randn(2, 16, dtype=torch.float64),
+            ValueError,
+            "BlockRowParallelBSRLinear.forward\\(\\): expected x.dtype",
+        ),
+    ):
+        with pytest.raises(error, match=match):
+            tp(bad)
+    with pytest.raises(TypeError, match="parallelize\\(\\): expected an nn.Module, got NoneType"):
+        parallelize(None)

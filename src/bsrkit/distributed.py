@@ -32,7 +32,9 @@ runs its two collectives itself (gloo needs equal sizes, so local outputs are pa
 from __future__ import annotations
 
 import bisect
+import copy
 import itertools
+import numbers
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from torch import nn
 from bsrkit import custom_ops
 from bsrkit.nn import BSRLinear, autocast_operands
 from bsrkit.places import module_places, put
+from bsrkit.validation import ArgumentTypeError, check_operand_dtypes
 
 __all__ = ["BlockRowParallelBSRLinear", "parallelize", "split_block_rows"]
 
@@ -54,14 +57,17 @@ def split_block_rows(crow_indices: torch.Tensor, parts: int) -> list[int]:
     Among the optimal splits the greedy one is taken (each range takes as many rows as fit), so trailing
     ranges may be lighter or empty. A pattern without stored blocks is split evenly by rows.
     """
-    if not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"split_block_rows(): expected parts >= 1, got {parts!r}")
+    if not isinstance(parts, numbers.Integral) or isinstance(parts, bool) or parts < 1:
+        raise ValueError(f"split_block_rows(): expected parts to be an int >= 1, got {parts!r}")
+    parts = int(parts)
     if crow_indices.dim() != 1 or crow_indices.numel() < 1 or crow_indices.is_floating_point():
         raise ValueError(
             "split_block_rows(): expected 1-D integer crow_indices, got "
             f"{crow_indices.dtype} of shape {tuple(crow_indices.shape)}"
         )
     crow = [int(c) for c in crow_indices.tolist()]
+    if crow[0] != 0:  # (nnz is read as crow[-1])
+        raise ValueError(f"split_block_rows(): expected crow_indices to start at 0, got {crow[0]}")
     rows, nnz = len(crow) - 1, crow[-1]
     if nnz == 0:
         return [rows * i // parts for i in range(parts + 1)]
@@ -119,9 +125,24 @@ class _ReplicatedInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        total = grad.clone(memory_format=torch.contiguous_format)  # all_reduce writes in place
-        dist.all_reduce(total, group=ctx.group)
-        return total, None
+        return _AllReduce.apply(grad, ctx.group), None
+
+
+class _AllReduce(torch.autograd.Function):
+    """The sum over the ranks, differentiable (its own adjoint): a second derivative through the input
+    gradient runs it again, with no in-place collective on the graph (torch warns that those have no
+    autograd kernel)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        total = t.clone(memory_format=torch.contiguous_format)  # all_reduce writes in place
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _AllReduce.apply(grad, ctx.group), None
 
 
 def _pairs(bounds: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -182,9 +203,11 @@ class BlockRowParallelBSRLinear(nn.Module):
     - ``crow_indices`` (rebased to start at 0), ``col_indices``: this rank's pattern.
     - ``row_splits``: the block-row boundaries of all ranks (:func:`split_block_rows`).
 
-    The construction checks with one small all-gather that every rank has the same pattern. The
-    ``state_dict`` holds this rank's part under the names of ``BSRLinear``'s, so it differs per rank:
-    checkpoint the layer from :meth:`to_bsr_linear` (or the unsharded layer) instead.
+    The construction checks with two small all-gathers that every rank has the same layer: shape,
+    blocksize, dtype, bias and pattern. The ``state_dict`` holds this rank's part under the names of
+    ``BSRLinear``'s, so it differs per rank: checkpoint the layer from :meth:`to_bsr_linear` (or the
+    unsharded layer) instead. ``torch.distributed.checkpoint`` takes such plain tensors for replicated
+    and keeps one rank's part: do not save this layer with it. A deep copy shares the process group.
     """
 
     crow_indices: torch.Tensor
@@ -218,7 +241,18 @@ class BlockRowParallelBSRLinear(nn.Module):
     def local_out_features(self) -> int:
         return (self.row_splits[self.rank + 1] - self.row_splits[self.rank]) * self.blocksize[0]
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> BlockRowParallelBSRLinear:
+        memo[id(self.group)] = self.group  # (a process group is shared, never copied)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        op = "BlockRowParallelBSRLinear.forward"
+        if not isinstance(x, torch.Tensor) or x.layout is not torch.strided:
+            got = x.layout if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ArgumentTypeError(f"{op}(): expected x to be a strided (dense) torch.Tensor, got {got}")
         if not x.ndim or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"BlockRowParallelBSRLinear.forward(): expected x of shape (*, {self.in_features}), "
@@ -226,6 +260,8 @@ class BlockRowParallelBSRLinear(nn.Module):
             )
         lead = x.shape[:-1]
         x, values, bias = autocast_operands(x, self.values, self.bias)  # (as BSRLinear's)
+        if x.dtype is not values.dtype:
+            check_operand_dtypes(op, "x", x, "values", values)
         x2 = _ReplicatedInput.apply(x.reshape(-1, self.in_features), self.group)
         # y_r = x W_r^T (row-major, as BSRLinear's): its transpose's rows are this rank's output features,
         # gathered along the first dimension.
@@ -286,33 +322,34 @@ class BlockRowParallelBSRLinear(nn.Module):
 def _check_same_pattern(
     crow: torch.Tensor, col: torch.Tensor, layer: BSRLinear, group: dist.ProcessGroup
 ) -> None:
-    # A rank built with another seed would compute a silently wrong slice: compare a fingerprint.
-    weights = torch.arange(1, col.numel() + 1, dtype=torch.int64, device=col.device)
-    fingerprint = torch.tensor(
-        [
-            layer.out_features,
-            layer.in_features,
-            *layer.blocksize,
-            col.numel(),
-            int((col.to(torch.int64) * weights).sum()),
-            int((crow.to(torch.int64) * torch.arange(1, crow.numel() + 1, device=crow.device)).sum()),
-        ],
-        dtype=torch.int64,
-        device=layer.values.device,  # a device the group's backend serves (gloo: cpu, nccl: cuda)
-    )
-    everyone = fingerprint.new_empty(dist.get_world_size(group) * fingerprint.numel())
-    dist.all_gather_single(everyone, fingerprint, group=group)
-    everyone = everyone.view(-1, fingerprint.numel())
-    if not bool((everyone == fingerprint).all()):
-        raise ValueError(
-            "BlockRowParallelBSRLinear(): expected the same layer shape and pattern on every rank, got "
-            f"fingerprints {everyone.tolist()} (build the layer with the same seed on every rank)"
-        )
+    # A rank built with another seed would compute a silently wrong slice, one of another dtype or bias
+    # would garble or hang the gathers: compare what every rank's collectives rely on, then the pattern
+    # itself (of one length everywhere once the first comparison holds).
+    device = layer.values.device  # a device the group's backend serves (gloo: cpu, nccl: cuda)
+    dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    layout = torch.tensor(
+        [layer.out_features, layer.in_features, *layer.blocksize, col.numel(), layer.bias is not None,
+         dtypes.index(layer.values.dtype) if layer.values.dtype in dtypes else -1],
+        dtype=torch.int64, device=device,
+    )  # fmt: skip
+    pattern = torch.cat([crow.to(device, torch.int64), col.to(device, torch.int64)])
+    for mine in (layout, pattern):
+        everyone = mine.new_empty(dist.get_world_size(group) * mine.numel())
+        dist.all_gather_single(everyone, mine, group=group)
+        if not torch.equal(everyone.view(-1, mine.numel()), mine.expand(dist.get_world_size(group), -1)):
+            what = "layer shape, dtype and bias" if mine is layout else "pattern"
+            raise ValueError(
+                f"BlockRowParallelBSRLinear(): expected the same {what} on every rank, got "
+                f"{everyone.view(-1, mine.numel()).tolist()[:8]} (build the layer with the same seed on "
+                "every rank)"
+            )
 
 
 def parallelize(module: nn.Module, group: Any = None) -> nn.Module:
     """Replace ``module`` (if a :class:`~bsrkit.nn.BSRLinear`) or each ``BSRLinear`` inside it by a
     :class:`BlockRowParallelBSRLinear` over ``group``; returns the (new) module."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"parallelize(): expected an nn.Module, got {type(module).__name__}")
     if isinstance(module, BSRLinear):
         return BlockRowParallelBSRLinear(module, group)
     # One parallel layer at every place of a layer used at several; layers tied by sparsify_ (one values
