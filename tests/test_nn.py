@@ -954,3 +954,22 @@ def test_density_is_the_fraction_of_blocks_stored():
     for seed in range(20):
         layer = BSRLinear(16, 16, 4, density=0.25, generator=torch.Generator().manual_seed(seed))
         assert layer.values.shape[0] == 4
+
+
+def test_pattern_written_between_forward_and_backward_is_refused():
+    """A numpy write of the layer's pattern after its forward moves no counter torch's saved tensors see;
+    the backward would differentiate another matrix, so it raises (as the products do). Rewriting the same
+    pattern is no change."""
+    torch.manual_seed(0)
+    layer = BSRLinear(12, 8, blocksize=(2, 4), density=0.5, dtype=torch.float64)
+    col = layer.col_indices.clone()
+    x = torch.randn(3, 12, dtype=torch.float64, requires_grad=True)
+    for write, refused in ((col.clone(), False), ((col + 1) % 3, True)):
+        y = layer(x)
+        layer.col_indices.numpy()[:] = write.numpy()
+        if refused:
+            with pytest.raises(RuntimeError, match="written in place between the forward and the backward"):
+                y.square().sum().backward()
+        else:
+            y.square().sum().backward()
+        layer.col_indices.numpy()[:] = col.numpy()

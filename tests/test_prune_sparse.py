@@ -809,3 +809,26 @@ def test_a_layer_tied_to_an_embedding_is_skipped_by_default_and_refused_when_sel
         )
     summary = bsrkit.sparsify_(model, blocksize=4, density=0.5, force=True)
     assert [r.fqn for r in summary.layers] == ["hidden"] and model.decoder.weight is model.encoder.weight
+
+
+def test_finalize_before_the_schedule_ends_keeps_the_patterns_final():
+    """finalize() says its patterns are final: steps after it, with the schedule still running, prune no
+    further (they kept pruning to the scheduled density)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    pruner = GradualPruner(model, opt, blocksize=4, target_density=0.25, start_step=0, end_step=8, every=1,
+                           filter_fn=lambda m, fqn: fqn == "0")  # fmt: skip
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    for t in range(10):
+        opt.zero_grad()
+        (model(x) - y).square().mean().backward()
+        opt.step()
+        pruner.step()
+        if t == 2:
+            pruner.finalize()
+            final = pruner.masks()["0"].clone()
+            assert final.float().mean() > 0.25  # (the schedule had further to go)
+    assert pruner.steps == 10
+    assert torch.equal(pruner.masks()["0"], final)
+    assert torch.equal(model[0].to_dense() != 0, final.repeat_interleave(4, 0).repeat_interleave(4, 1))

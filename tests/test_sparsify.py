@@ -355,3 +355,16 @@ def test_break_even_density_takes_an_int_blocksize_as_sparsify_does():
 def test_every_documented_submodule_is_reachable_from_the_package():
     for name in ("checkpoint", "break_even", "regrow", "repattern", "model_demo", "places", "loading"):
         assert getattr(bsrkit, name).__name__ == f"bsrkit.{name}"
+
+
+def test_selecting_no_layer_warns_and_changes_nothing():
+    """A blocksize dividing no layer (or a filter matching none) left the model dense without a word; it
+    warns, naming the filter and the count of linear layers seen."""
+    model = nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 12), nn.Linear(12, 4))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.warns(UserWarning, match=r"default filter \(blocksize 8x8\) selected none of the model's 3"):
+        summary = sparsify_(model, blocksize=8, density=0.25, force=True)
+    with pytest.warns(UserWarning, match="filter_fn selected none"):
+        sparsify_(model, blocksize=4, density=0.25, filter_fn=lambda m, fqn: False)
+    assert summary.swapped == 0 and not summary.layers
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -189,7 +189,15 @@ def _check_unchanged(
     would be another matrix's: torch refuses a saved tensor written in place the same way)."""
     if saved is None:
         return
-    crow, col = Operand.of(bsr, op, name).kernel_indices()
+    check_indices_unchanged(saved, Operand.of(bsr, op, name).kernel_indices(), op, name)
+
+
+def check_indices_unchanged(
+    saved: tuple[torch.Tensor, torch.Tensor], now: tuple[torch.Tensor, torch.Tensor], op: str, name: str
+) -> None:
+    """Refuse a backward whose pattern ``now`` (``(crow, col)``) differs from the one its forward computed
+    with (``saved``, a copy): see :func:`_check_unchanged`."""
+    crow, col = now
     if (crow is saved[0] and col is saved[1]) or (torch.equal(crow, saved[0]) and torch.equal(col, saved[1])):
         return
     raise RuntimeError(

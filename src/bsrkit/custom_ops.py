@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from bsrkit import dispatch, ops, shortcuts
+from bsrkit.autograd import check_indices_unchanged
 from bsrkit.freshness import check_mode
 from bsrkit.operand import Operand
 from bsrkit.validation import check_operand_dtypes, check_same_device, resolved
@@ -301,8 +302,15 @@ class EagerLinear(torch.autograd.Function):
         _check_bsr_mm(values, x.mT, M, K, transposed)
         ctx.save_for_backward(crow, col, values, x)
         ctx.shape = (M, K, transposed, bias is not None)
+        # The pattern computed with, for the backward to compare (a write moving no counter torch's saved
+        # tensors see, numpy's or a collective's, would give another matrix's gradient), on the CPU only:
+        # as the products' (a device comparison synchronises).
+        ctx.pattern = (crow.clone(), col.clone()) if crow.device.type == "cpu" else None
         return linear_product(crow, col, values, x, bias, M, K, transposed)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.pattern is not None:
+            crow, col = ctx.saved_tensors[:2]
+            check_indices_unchanged(ctx.pattern, (crow, col), "BSRLinear", "weight")
         return _backward_linear(ctx, grad)

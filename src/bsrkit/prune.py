@@ -280,8 +280,12 @@ class GradualPruner:
     @torch.no_grad()
     def step(self) -> None:
         """One training step done: accumulate movement scores, prune at the scheduled steps, regrow at the
-        regrowth steps, and bring each layer, its gradient and its optimizer state to its new pattern."""
+        regrowth steps, and bring each layer, its gradient and its optimizer state to its new pattern.
+        After :meth:`finalize` it only counts the step: the patterns are final (a schedule not yet ended
+        prunes no further)."""
         self.steps += 1
+        if self.finalized:
+            return
         density = self.density_at(self.steps)
         update = self.regrow is not None and self.regrow.due(self.steps)
         for layer in self._layers:
@@ -381,7 +385,8 @@ class GradualPruner:
     def finalize(self) -> nn.Module:
         """Make each pruned layer a :class:`~bsrkit.nn.BSRLinear` holding exactly its final pattern (its
         kept blocks' weights and optimizer state; bias unchanged); returns the model (changed in place).
-        The optimizer can go on training it; regrowth ends (in a run resumed from :meth:`state_dict` too).
+        The optimizer can go on training it; pruning and regrowth end (in a run resumed from
+        :meth:`state_dict` too): :meth:`step` only counts steps from here.
         """
         self.finalized = True
         for layer in self._layers:

@@ -14,6 +14,7 @@ this machine: when ``density`` is at or above the break-even density of its devi
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -276,6 +277,14 @@ def sparsify_(
     # judged by the filter under its first name, as named_modules() lists it.
     places = module_places(model).values()
     chosen = [(fqns[0], m, fqns) for m, fqns in places if selected(m, fqns[0])]
+    if not chosen:  # (a silent no-op would serve the dense model as if it were sparse)
+        linears = sum(isinstance(m, nn.Linear) or _is_conv1d(m) for m, _ in places)
+        which = "filter_fn" if filter_fn is not None else f"the default filter (blocksize {bo}x{bi})"
+        warnings.warn(
+            f"sparsify_(): {which} selected none of the model's {linears} linear layers; nothing changed",
+            UserWarning,
+            stacklevel=2,
+        )
     _check_ties_whole(chosen, places)
     reports: list[LayerReport] = []
     dense_weights = stored_weights = 0
