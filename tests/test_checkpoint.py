@@ -492,3 +492,62 @@ def test_malformed_records_and_devices_are_refused_by_name(tmp_path):
         )
         with pytest.raises(ValueError, match=match):
             load_sparse(_sparse_mlp(), tmp_path / "bad.safetensors")
+
+
+def test_a_buffer_kept_apart_from_the_models_dtype_keeps_its_own_under_dtype(tmp_path):
+    """float32 frequencies in a bfloat16 model (as from_pretrained(dtype=bfloat16) leaves rotary
+    inv_freq): load_sparse(dtype=bfloat16) keeps them float32, so the loaded model computes as the saved
+    one (they were cast to bfloat16); a buffer that had the model's dtype follows dtype."""
+    model = _WithPositions()
+    sparsify_(model, blocksize=8, density=0.5, force=True)
+    model.to(torch.bfloat16)
+    model.pe = _WithPositions().pe  # (computed in float32, as the model computes it)
+    save_sparse(model, tmp_path / "m.safetensors")
+    served = load_sparse(_WithPositions, tmp_path / "m.safetensors", dtype=torch.bfloat16)
+    assert served.pe.dtype == torch.float32 and served.up.values.dtype == torch.bfloat16
+    assert torch.equal(served.pe, model.pe)  # (not rounded to bfloat16)
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    assert torch.equal(served.up(x), model.up(x))
+
+
+class _Positions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(8), persistent=False)
+        self.register_buffer("valid", torch.ones(8, dtype=torch.bool), persistent=False)
+
+
+@pytest.mark.parametrize("computes", [True, False])
+def test_a_meta_model_computing_integer_buffers_in_init_weights_loads(tmp_path, computes):
+    """transformers computes integer buffers (BERT's position_ids) in _init_weights: a model built on meta
+    loads with them (a regression refused every model holding one); an _init_weights leaving one
+    unwritten is refused by name, never uninitialised memory."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos, self.up = _Positions(), nn.Linear(8, 8)
+
+        def _init_weights(self, module):
+            if isinstance(module, _Positions):
+                module.position_ids.copy_(torch.arange(8))
+                if computes:
+                    module.valid.fill_(True)
+
+        def forward(self, x):
+            return self.up(x + self.pos.position_ids * self.pos.valid)
+
+    torch.manual_seed(0)
+    model = Model()
+    sparsify_(model, blocksize=4, density=0.5, force=True)
+    save_sparse(model, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        shell = Model()
+    if not computes:
+        with pytest.raises(ValueError, match=r"\['pos.valid'\].*did not compute them"):
+            load_sparse(shell, tmp_path / "m.safetensors")
+        return
+    loaded = load_sparse(shell, tmp_path / "m.safetensors")
+    assert torch.equal(loaded.pos.position_ids, torch.arange(8)) and bool(loaded.pos.valid.all())
+    x = torch.randn(3, 8)
+    assert torch.equal(loaded(x), model(x))

@@ -280,22 +280,8 @@ def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
         names = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
         if not names:
             continue
-        floating = all(
-            b.is_floating_point() for n, b in module._buffers.items() if n in names and b is not None
-        )
-        if callable(init) and floating and not any(True for _ in module.parameters(recurse=False)):
-            # NaN until written: an _init_weights that does not compute them (one that initialises the
-            # linear layers only) leaves NaN, and they stay errors, never uninitialised memory
-            for n in names:
-                buffer = module._buffers[n]
-                assert buffer is not None
-                module._buffers[n] = torch.full_like(buffer, torch.nan, device=device)
-            with torch.no_grad():
-                init(module)
-            names = [
-                n for n, b in module._buffers.items()
-                if b is not None and (b.device.type == "meta" or (n in names and bool(b.isnan().any())))
-            ]  # fmt: skip
+        if callable(init) and not any(True for _ in module.parameters(recurse=False)):
+            names = _computed_by_init(init, module, names, device)
         if names:
             raise ValueError(
                 f"load_sparse(): the model's buffers {[f'{fqn}.{n}' if fqn else n for n in names]} are on "
@@ -303,6 +289,42 @@ def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
                 "did not compute them; pass a factory instead of a model built on meta (load_sparse builds "
                 "buffers for real)"
             )
+
+
+def _filled(buffer: torch.Tensor, device: torch.device, second: bool) -> torch.Tensor:
+    """``buffer``'s shape and dtype on ``device``, filled with what a computing ``_init_weights`` overwrites:
+    NaN (floating), else one of two values (``second`` picks), so that two fills tell a buffer it
+    computed from one it left alone."""
+    if buffer.is_floating_point() or buffer.is_complex():
+        return torch.full_like(buffer, torch.nan, device=device)
+    return torch.full_like(buffer, int(second), device=device)
+
+
+def _computed_by_init(init: Callable[[nn.Module], Any], module: nn.Module, names: list[str],
+                      device: torch.device) -> list[str]:  # fmt: skip
+    """The buffers among ``names`` (on meta) that ``init(module)`` did not compute, the others computed
+    into ``module``. Run twice on two fills (:func:`_filled`): a buffer it computed is the same after
+    both; one it left alone keeps the fill (NaN, or a different value each time), an error, never
+    uninitialised memory."""
+    meta = {n: module._buffers[n] for n in names}
+    after: list[dict[str, torch.Tensor | None]] = []
+    for second in (False, True):
+        for n, b in meta.items():
+            assert b is not None
+            module._buffers[n] = _filled(b, device, second)
+        with torch.no_grad():
+            init(module)
+        after.append({n: module._buffers.get(n) for n in names})
+
+    def computed(n: str) -> bool:
+        first, last = after[0][n], after[1][n]
+        if first is None or last is None or last.device.type == "meta":
+            return False
+        if last.is_floating_point() or last.is_complex():
+            return not bool(last.isnan().any())
+        return first.shape == last.shape and bool(torch.equal(first.to(last.device), last))
+
+    return [n for n in names if not computed(n)]
 
 
 def load_sparse(
@@ -344,6 +366,7 @@ def load_sparse(
     _swap_layers(model, layers)
     expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
     state: dict[str, torch.Tensor] = {}
+    saved_dtypes: dict[torch.dtype, int] = {}  # (the file's floating tensors by dtype: the model's is first)
     with _open_for_reading(os.fspath(path), str(device)) as (f, copy):
         stored = set(f.keys())
         missing = [name for name in expected if name not in stored and name not in tied]
@@ -359,6 +382,8 @@ def load_sparse(
             if shape != expected[name] and not _resizable(name, layers):
                 raise ValueError(f"load_sparse(): {name}: expected shape {expected[name]}, got {shape}")
             tensor = f.get_tensor(name)
+            if tensor.is_floating_point():
+                saved_dtypes[tensor.dtype] = saved_dtypes.get(tensor.dtype, 0) + 1
             if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
             elif copy and tensor.device.type == "cpu":
@@ -380,7 +405,8 @@ def load_sparse(
         elif leaf in owner._buffers:  # (tied layers' pattern: sparsify_ shares their index buffers too)
             owner._buffers[leaf] = model.get_buffer(source)
     _materialise_buffers(model, device)
-    _cast_computed_buffers(model, stored, record["buffer_dtypes"], dtype)
+    saved = max(saved_dtypes, key=saved_dtypes.__getitem__) if saved_dtypes else None
+    _cast_computed_buffers(model, stored, record["buffer_dtypes"], dtype, saved)
     return model.to(device)
 
 
@@ -400,17 +426,24 @@ def _real_device(device: Any) -> torch.device:
 
 
 def _cast_computed_buffers(
-    model: nn.Module, stored: set[str], recorded: dict[str, str], dtype: torch.dtype | None
+    model: nn.Module,
+    stored: set[str],
+    recorded: dict[str, str],
+    dtype: torch.dtype | None,
+    saved: torch.dtype | None,
 ) -> None:
-    """Give the floating buffers the file does not hold (computed by the model's factory) the dtype the
-    loaded model has: ``dtype`` when given (as ``model.to(dtype)`` would), else the one they had when
-    saved."""
+    """Give the floating buffers the file does not hold (computed by the model's factory) the dtype they
+    had when saved; ``dtype``, when given, where they had the saved model's own (``saved``: they followed
+    it, as ``model.to(dtype)`` moves them) or no record. A buffer the model kept apart (float32 rotary
+    frequencies in a bfloat16 model) keeps its dtype: the loaded model computes as the saved one."""
     for fqn, module in model.named_modules():
         for n, b in module._buffers.items():
             name = f"{fqn}.{n}" if fqn else n
             if b is None or not b.is_floating_point() or name in stored:
                 continue
-            want = dtype if dtype is not None else getattr(torch, recorded.get(name, ""), None)
+            want = getattr(torch, recorded.get(name, ""), None)
+            if dtype is not None and (want is None or want == saved):
+                want = dtype
             if isinstance(want, torch.dtype) and b.dtype != want:
                 module._buffers[n] = b.to(want)
 
