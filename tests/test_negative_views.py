@@ -118,3 +118,22 @@ def test_scatter_writes_a_negative_out_and_accumulators_as_torch_does(product_pa
     acc = torch._neg_view(start.neg())  # (holding start's values)
     bsrkit.scatter_mm(bsr.values(), other.unsqueeze(0), idx, accumulators=acc)
     assert_close(acc, reference.scatter_mm(bsr.values(), other.unsqueeze(0), idx, start), k=48)
+
+
+@pytest.mark.parametrize(
+    "base, message",
+    [
+        (torch.zeros(32, 32, dtype=torch.float64), "expected out.dtype == torch.float32"),
+        (torch.zeros(3, 32, 32), r"expected out.shape == \(32, 32\)"),
+        (torch.zeros(32, 32, requires_grad=True), "expected out not to require grad"),
+    ],
+)
+def test_a_negative_out_is_checked_as_any_out(base, message):
+    # (it went straight to copy_, which cast a float64 out, broadcast into (3, M, N) and raised autograd's
+    # error for one requiring grad)
+    g = torch.Generator().manual_seed(7)
+    bsr = torch.randn(32, 48, generator=g).to_sparse_bsr((16, 16))
+    other = torch.randn(48, 32, generator=g)
+    idx = bsrkit.bsr_scatter_mm_indices_data(bsr, other)
+    with pytest.raises(ValueError, match=message):
+        bsrkit.bsr_scatter_mm(bsr, other, indices_data=idx, out=torch._neg_view(base))

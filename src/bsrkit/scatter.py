@@ -271,9 +271,6 @@ def bsr_scatter_mm(
             f"{op}(): expected out not to share memory with bsr's values, got overlapping tensors"
         )
     _check_no_grad(op, bsr=bsr, other=other)
-    if isinstance(out, torch.Tensor) and out.layout is torch.strided and out.is_neg():
-        # (the kernels write memory: a negative view takes the product through copy_, which negates)
-        return out.copy_(bsr_scatter_mm(bsr, other, indices_data))
     check_strided(op, "other", other)
     check_same_dtype(op, "other", other, "bsr", bsr)
     check_same_device(op, "other", other, "bsr", bsr)
@@ -287,6 +284,8 @@ def bsr_scatter_mm(
         out = torch.empty(out_shape, dtype=bsr.dtype, device=bsr.device)
     else:
         check_out(op, out, out_shape, bsr.dtype, bsr.device)
+        if out.is_neg():  # (the kernels write memory: the product goes through copy_, which negates)
+            return out.copy_(bsr_scatter_mm(bsr, other, indices_data))
     if bsr._nnz() == 0 or out.numel() == 0:
         return out.zero_()
     indices_data = _as_tuple(indices_data)
