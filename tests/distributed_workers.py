@@ -332,6 +332,18 @@ def scenario_tp(rank: int, world: int, out: Path) -> dict:
         gx.pow(2).sum().backward()
     results["deepcopy_same"] = twin.group is tp.group and torch.equal(twin(x), tp(x))
     results["double_backward_warnings"] = [str(w.message)[:80] for w in caught]
+    # A pattern written between forward and backward by numpy (moving no counter) is refused, as
+    # BSRLinear's (the backward gave another pattern's gradient).
+    y = tp(x)
+    col = tp.col_indices.clone()
+    tp.col_indices.numpy()[:] = (col + 1).numpy() % (full.in_features // full.blocksize[1])
+    try:
+        y.sum().backward()
+    except RuntimeError as exc:
+        results["pattern_write_refused"] = "between the forward and the backward" in str(exc)
+    else:
+        results["pattern_write_refused"] = False
+    tp.col_indices.copy_(col)
     return results
 
 

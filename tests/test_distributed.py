@@ -191,8 +191,9 @@ def test_tensor_parallel_refuses_ranks_with_different_layers(two_ranks):
     }
 
 
-def test_tensor_parallel_deep_copies_and_differentiates_twice_without_warnings(two_ranks):
+def test_tensor_parallel_deep_copies_differentiates_twice_and_refuses_a_rewritten_pattern(two_ranks):
     assert two_ranks[1]["tp"]["deepcopy_same"]
+    assert two_ranks[1]["tp"]["pattern_write_refused"]
     assert two_ranks[1]["tp"]["double_backward_warnings"] == []
 
 

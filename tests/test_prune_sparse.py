@@ -773,9 +773,7 @@ def test_the_pruners_arguments_are_checked_by_name():
     kw = dict(blocksize=BS, target_density=0.5, start_step=0, end_step=2, every=1)
     with pytest.raises(TypeError, match="expected model to be an nn.Module, got str"):
         GradualPruner("x", opt, **kw)
-    with pytest.raises(
-        TypeError, match="expected optimizer to be a torch.optim.Optimizer or None, got generator"
-    ):
+    with pytest.raises(TypeError, match=r"expected optimizer to be a torch.optim.Optimizer \(or a wrapper"):
         GradualPruner(model, model.parameters(), **kw)
     with pytest.raises(TypeError, match="expected filter_fn to be callable or None, got int"):
         GradualPruner(model, opt, filter_fn=3, **kw)
@@ -832,3 +830,37 @@ def test_finalize_before_the_schedule_ends_keeps_the_patterns_final():
     assert pruner.steps == 10
     assert torch.equal(pruner.masks()["0"], final)
     assert torch.equal(model[0].to_dense() != 0, final.repeat_interleave(4, 0).repeat_interleave(4, 1))
+
+
+def test_a_wrapped_optimizer_and_float64_movement_scores():
+    """An optimizer wrapper holding param_groups and state (as ZeRO's and other wrappers do) is taken, its
+    state following the pattern; float64 layers accumulate movement in float64 (float32 sums ranked
+    them)."""
+
+    class Wrapper:  # (not a torch.optim.Optimizer subclass)
+        def __init__(self, inner):
+            self.inner = inner
+
+        param_groups = property(lambda self: self.inner.param_groups)
+        state = property(lambda self: self.inner.state)
+
+        def step(self):
+            self.inner.step()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double()
+    opt = Wrapper(torch.optim.Adam(model.parameters(), lr=1e-2))
+    pruner = GradualPruner(model, opt, blocksize=4, target_density=0.25, start_step=0, end_step=3, every=1,
+                           criterion="movement", filter_fn=lambda m, fqn: fqn == "0",
+                           sparse_below=1.0)  # fmt: skip
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    for _ in range(4):
+        for p in model.parameters():
+            p.grad = None
+        (model(x) - y).square().mean().backward()
+        opt.step()
+        pruner.step()
+    assert pruner.state_dict()["scores"]["0"].dtype == torch.float64
+    assert pruner.densities()["0"] == 0.25 and isinstance(model[0], BSRLinear)
+    values = model[0].values
+    assert opt.state[values]["exp_avg"].shape == values.shape

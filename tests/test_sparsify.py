@@ -337,6 +337,17 @@ def test_a_selection_holding_one_of_two_tied_layers_is_refused():
     assert model[0].values is model[2].values
 
 
+def test_a_selection_holding_one_of_two_layers_sharing_a_bias_is_refused():
+    # (the layer made block-sparse got a copy of the bias: the two drifted apart in training, silently)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    model[2].bias = model[0].bias
+    with pytest.raises(ValueError, match="selected '0' but not '2', which shares its bias"):
+        sparsify_(model, blocksize=4, density=0.5, force=True, filter_fn=lambda m, fqn: fqn == "0")
+    assert isinstance(model[0], nn.Linear) and model[0].bias is model[2].bias
+    sparsify_(model, blocksize=4, density=0.5, force=True)
+    assert model[0].bias is model[2].bias
+
+
 def test_tied_layers_sharing_their_bias_keep_sharing_it():
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     model[2].weight, model[2].bias = model[0].weight, model[0].bias

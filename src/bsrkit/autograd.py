@@ -67,7 +67,7 @@ def refuse_tangents(tensors: tuple[Any, ...]) -> None:
         if dual and forward_ad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(
                 "bsrkit: forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not implemented for "
-                "its products and attention: use reverse mode (backward, torch.func.vjp)"
+                "its products and attention: use reverse mode (backward, torch.autograd.grad)"
             )
 
 

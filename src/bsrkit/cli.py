@@ -609,12 +609,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if M % Ms or K % Ks:
                     parser.error(f"blocks {Ms}x{Ks} must divide M x K = {M} x {K}")
     try:
+        show_traceback = flag("BSRKIT_TRACEBACK", False)  # (read first: a bad value is its own error)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
         return int(args.run(args))
     except KeyboardInterrupt:
         print(f"bsrkit {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # one line, no traceback (BSRKIT_TRACEBACK=1 shows it)
-        if flag("BSRKIT_TRACEBACK", False):
+        if show_traceback:
             raise
         print(f"bsrkit {args.command}: error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return 1

@@ -22,7 +22,15 @@ from bsrkit.freshness import check_mode
 from bsrkit.operand import Operand
 from bsrkit.validation import check_operand_dtypes, check_same_device, resolved
 
-__all__ = ["EagerLinear", "bsr_mm", "linear", "linear_product", "linear_product_op", "sampled_mm"]
+__all__ = [
+    "EagerLinear",
+    "bsr_mm",
+    "differentiable_linear",
+    "linear",
+    "linear_product",
+    "linear_product_op",
+    "sampled_mm",
+]
 
 
 def linear_product(
@@ -305,7 +313,8 @@ class EagerLinear(torch.autograd.Function):
         # The pattern computed with, for the backward to compare (a write moving no counter torch's saved
         # tensors see, numpy's or a collective's, would give another matrix's gradient), on the CPU only:
         # as the products' (a device comparison synchronises).
-        ctx.pattern = (crow.clone(), col.clone()) if crow.device.type == "cpu" else None
+        wanted = crow.device.type == "cpu" and any(ctx.needs_input_grad)
+        ctx.pattern = (crow.clone(), col.clone()) if wanted else None
         return linear_product(crow, col, values, x, bias, M, K, transposed)
 
     @staticmethod
@@ -314,3 +323,21 @@ class EagerLinear(torch.autograd.Function):
             crow, col = ctx.saved_tensors[:2]
             check_indices_unchanged(ctx.pattern, (crow, col), "BSRLinear", "weight")
         return _backward_linear(ctx, grad)
+
+
+def differentiable_linear(
+    crow: torch.Tensor,
+    col: torch.Tensor,
+    values: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    M: int,
+    K: int,
+    transposed: bool,
+) -> torch.Tensor:
+    """:func:`linear_product` recorded for autograd: the custom op :func:`linear` where it is traced
+    (``torch.compile``) or shapes only (``x`` on meta), :class:`EagerLinear` otherwise (cheaper, and its
+    backward refuses a pattern written since the forward: the traced op's cannot compare data)."""
+    if torch.compiler.is_compiling() or x.is_meta:
+        return linear(crow, col, values, x, bias, M, K, transposed)
+    return EagerLinear.apply(crow, col, values, x, bias, M, K, transposed)

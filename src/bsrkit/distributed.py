@@ -265,7 +265,7 @@ class BlockRowParallelBSRLinear(nn.Module):
         x2 = _ReplicatedInput.apply(x.reshape(-1, self.in_features), self.group)
         # y_r = x W_r^T (row-major, as BSRLinear's): its transpose's rows are this rank's output features,
         # gathered along the first dimension.
-        y_r = custom_ops.linear(
+        y_r = custom_ops.differentiable_linear(
             self.crow_indices,
             self.col_indices,
             values,

@@ -9,7 +9,9 @@ is seen; a write in place into them is seen under ``BSRKIT_CHECK_PLANS=1`` (see
 :mod:`bsrkit.freshness`). Forward and backward run the
 ``bsrkit::linear`` / ``bsrkit::sampled_mm`` custom ops, which ``torch.compile`` can trace; where no
 gradient is needed (``torch.no_grad``, inference, frozen weights) an eager forward calls the product
-directly. The output is row-major, as ``nn.Linear``'s.
+directly. The output is row-major, as ``nn.Linear``'s. On CPU an eager backward refuses a pattern
+written since its forward by a path moving no version counter (numpy, a collective): its gradient would
+be another matrix's; a backward ``torch.compile`` traced cannot compare data, and does not.
 """
 
 from __future__ import annotations
@@ -223,11 +225,7 @@ class BSRLinear(nn.Module):
         if x.device != values.device:  # (before anything reads the pattern: a layer on meta has none)
             check_same_device("BSRLinear.forward", "x", x, "values", values)
         if _needs_grad(x, values, bias):
-            rows = dispatch.rows(x)
-            if torch.compiler.is_compiling() or x.is_meta:  # (the custom op: traceable, shapes on meta)
-                y = custom_ops.linear(crow, col, values, rows, bias, M, K, False)
-            else:
-                y = custom_ops.EagerLinear.apply(crow, col, values, rows, bias, M, K, False)
+            y = custom_ops.differentiable_linear(crow, col, values, dispatch.rows(x), bias, M, K, False)
             return y if x.ndim == 2 else y.reshape(*x.shape[:-1], M)
         if torch.compiler.is_compiling() or x.is_meta:  # (the plain op: traceable, and shapes on meta)
             return custom_ops.linear_product_op(crow, col, values, x, bias, M, K, False)

@@ -86,7 +86,7 @@ class _Layer:
     places: list[str]  # every name of the module (fqn first): a module used twice is swapped at both
     module: nn.Linear | BSRLinear
     mask: torch.Tensor  # (out / bo, in / bi) bool: kept blocks
-    score: torch.Tensor  # (out / bo, in / bi) float32: accumulated movement (movement criterion)
+    score: torch.Tensor  # (out / bo, in / bi) in _score_dtype: accumulated movement (movement criterion)
     sparse_below: float  # the density below which it trains block-sparse
     kept: int  # mask.sum(), kept on the host (a step that changes no pattern synchronises no device)
     # The gradient hook: a sparse layer's dense gradient for regrowth, or a masked-dense layer's masking
@@ -155,10 +155,10 @@ class GradualPruner:
         op = "GradualPruner()"
         if not isinstance(model, nn.Module):
             raise TypeError(f"{op}: expected model to be an nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
             raise TypeError(  # (its state follows each new pattern: a list of parameters has none)
-                f"{op}: expected optimizer to be a torch.optim.Optimizer or None, got "
-                f"{type(optimizer).__name__}"
+                f"{op}: expected optimizer to be a torch.optim.Optimizer (or a wrapper with its param_groups "
+                f"and state) or None, got {type(optimizer).__name__}"
             )
         if filter_fn is not None and not callable(filter_fn):
             raise TypeError(
@@ -233,7 +233,7 @@ class GradualPruner:
                     fqns,
                     module,
                     torch.ones(grid, dtype=torch.bool, device=device),
-                    torch.zeros(grid, dtype=torch.float32, device=device),
+                    torch.zeros(grid, dtype=_score_dtype(module.weight), device=device),
                     below,
                     grid[0] * grid[1],
                 )
@@ -443,7 +443,7 @@ class GradualPruner:
         for layer in self._layers:
             mask = state["masks"][layer.fqn].to(torch.bool).to(layer.mask.device)
             self._move(layer, mask.clone(), sparse=bool(sparse.get(layer.fqn, False)))
-            layer.score = state["scores"][layer.fqn].float().to(layer.score.device).clone()
+            layer.score = state["scores"][layer.fqn].to(layer.score.device, layer.score.dtype).clone()
             if self.finalized:
                 self._stop_capture(layer)
             else:  # (a state from before finalize(): regrowth goes on, so does the capture)

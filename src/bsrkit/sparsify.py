@@ -203,21 +203,29 @@ class SparsifySummary:
 def _check_ties_whole(
     chosen: list[tuple[str, nn.Module, list[str]]], places: Iterable[tuple[nn.Module, list[str]]]
 ) -> None:
-    """Refuse a selection holding one of two linear layers that share a weight (tied): the one made
-    block-sparse would no longer share it with the other, silently."""
+    """Refuse a selection holding one of two linear layers that share a weight or a bias (tied): the one
+    made block-sparse would no longer share it with the other, silently. (A bias is looked for in every
+    module; a weight a non-linear module holds is :func:`foreign_holders`' concern.)"""
     picked = {id(m) for _, m, _ in chosen}
-    holders: dict[int, list[tuple[str, nn.Module]]] = {}
-    for module, fqns in places:
-        weight = getattr(module, "weight", None)
-        if (isinstance(module, nn.Linear) or _is_conv1d(module)) and isinstance(weight, torch.Tensor):
-            holders.setdefault(id(weight), []).append((fqns[0], module))
-    for fqn, module, _ in chosen:
-        for other_fqn, other in holders.get(id(getattr(module, "weight", None)), []):
-            if id(other) not in picked:
-                raise ValueError(
-                    f"sparsify_(): filter_fn selected {fqn!r} but not {other_fqn!r}, which shares its weight "
-                    "(tied): select both (they stay tied, block-sparse) or neither"
-                )
+    places = list(places)
+    for attr in ("weight", "bias"):
+        holders: dict[int, list[tuple[str, nn.Module]]] = {}
+        for module, fqns in places:
+            if attr == "weight" and not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+                continue
+            held = module._parameters.get(attr)
+            if isinstance(held, torch.Tensor):
+                holders.setdefault(id(held), []).append((fqns[0], module))
+        for fqn, module, _ in chosen:
+            held = module._parameters.get(attr)
+            if held is None:
+                continue
+            for other_fqn, other in holders.get(id(held), []):
+                if id(other) not in picked:
+                    raise ValueError(
+                        f"sparsify_(): filter_fn selected {fqn!r} but not {other_fqn!r}, which shares its "
+                        f"{attr} (tied): select both (they stay tied, block-sparse) or neither"
+                    )
 
 
 def _as_linear(module: nn.Module) -> nn.Linear:

@@ -293,7 +293,7 @@ def save_entries(new: dict[str, dict[str, Any]], path: Path | None = None) -> Pa
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-    _loaded.pop(str(path), None)  # this process sees its own write at once
+    _loaded.clear()  # this process sees its own write at once, under every name (a link's too)
     return path
 
 
