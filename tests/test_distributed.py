@@ -340,3 +340,23 @@ def test_tensor_parallel_names_bad_inputs(world_of_one):
             tp(bad)
     with pytest.raises(TypeError, match="parallelize\\(\\): expected an nn.Module, got NoneType"):
         parallelize(None)
+
+
+def test_tensor_parallel_converts_and_loads_with_swapping_conversions(world_of_one):
+    # (torch.utils.swap_tensors refuses a tensor with weak references: the kept weight's held one after a
+    # forward, so .double() and load_state_dict failed)
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        torch.manual_seed(0)
+        layer = BSRLinear(32, 16, 8, density=0.5)
+        tp = BlockRowParallelBSRLinear(BSRLinear(32, 16, 8, density=0.5))
+        x = torch.randn(2, 32)
+        with torch.no_grad():
+            tp(x)
+        tp.load_state_dict(BlockRowParallelBSRLinear(layer).state_dict())
+        torch.testing.assert_close(tp(x), layer(x))
+        tp.double()
+        torch.testing.assert_close(tp(x.double()), layer.double()(x.double()))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)

@@ -137,3 +137,16 @@ def test_a_negative_out_is_checked_as_any_out(base, message):
     idx = bsrkit.bsr_scatter_mm_indices_data(bsr, other)
     with pytest.raises(ValueError, match=message):
         bsrkit.bsr_scatter_mm(bsr, other, indices_data=idx, out=torch._neg_view(base))
+
+
+def test_a_member_index_given_the_negative_bit_after_a_product_is_refused():
+    # (the kept operand and the plan keys left the neg bit of the index tensors out: the old pattern's
+    # product came back for a BSR whose columns now read negative)
+    crow, col, vals = torch.tensor([0, 2, 3]), torch.tensor([0, 2, 1]), torch.randn(3, 4, 4)
+    bsr = torch.sparse_bsr_tensor(crow, col, vals, size=(8, 12))
+    d = torch.randn(12, 3)
+    for _ in range(3):
+        bsrkit.bsr_dense_mm(bsr, d)
+    col.data = torch._neg_view(col.detach())
+    with pytest.raises(ValueError, match="malformed bsr: expected col_indices in"):
+        bsrkit.bsr_dense_mm(bsr, d)

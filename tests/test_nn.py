@@ -891,8 +891,28 @@ def test_conversion_that_swaps_parameters_in_place():
         torch.testing.assert_close(layer(x.double()), y.double())
         layer.float()
         torch.testing.assert_close(layer(x), y)
+        # load_state_dict swaps too: after a forward it failed the same way
+        other = BSRLinear(16, 16, 4, density=0.5)
+        layer.load_state_dict(other.state_dict())
+        torch.testing.assert_close(layer(x), other(x))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_parts_given_the_negative_bit_in_place_are_seen():
+    """torch._neg_view reads the same memory as other values: a values view swapped in by .data after a
+    forward gave the product of the old sign (the kept weight compared addresses and strides); an index
+    view, negative columns, computed the old pattern instead of being refused."""
+    torch.manual_seed(0)
+    layer = BSRLinear(16, 12, 4, density=0.5)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        layer(x)
+        layer.values.data = torch._neg_view(layer.values.detach())
+        torch.testing.assert_close(layer(x), x @ layer.to_dense().T + layer.bias)
+        layer.col_indices.data = torch._neg_view(layer.col_indices)
+        with pytest.raises(ValueError, match="malformed weight: expected col_indices in"):
+            layer(x)
 
 
 def test_a_layer_first_called_under_inference_mode_caches_its_plans(monkeypatch):

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bsrkit import custom_ops
+from bsrkit import custom_ops, shortcuts
 from bsrkit.nn import BSRLinear, autocast_operands
 from bsrkit.places import module_places, put
 from bsrkit.validation import ArgumentTypeError, check_operand_dtypes
@@ -240,6 +240,14 @@ class BlockRowParallelBSRLinear(nn.Module):
     @property
     def local_out_features(self) -> int:
         return (self.row_splits[self.rank + 1] - self.row_splits[self.rank]) * self.blocksize[0]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> BlockRowParallelBSRLinear:
+        shortcuts.forget_weight(self.values)  # (as BSRLinear's: swap_tensors refuses a weakly referenced one)
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        shortcuts.forget_weight(self.values)
+        super()._load_from_state_dict(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> BlockRowParallelBSRLinear:
         memo[id(self.group)] = self.group  # (a process group is shared, never copied)

@@ -51,7 +51,7 @@ class TensorKey:
       storage_offset, shape, stride, is_conj, is_neg, layout)``;
     * sparse compressed tensors (CSR/CSC/BSR/BSC): ``(layout, device, shape, blocksize, identity of the
       compressed indices, identity of the plain indices)`` (flattened), an index identity being
-      ``(storage identity, storage_offset, shape, stride, dtype)``. The values are deliberately
+      ``(storage identity, storage_offset, shape, stride, dtype, is_neg)``. The values are deliberately
       not part of the key: what is cached for a sparse tensor (a *plan*) depends on its sparsity pattern
       only, so a BSR tensor rebuilt from the same index tensors with new values has the same key.
 
@@ -131,11 +131,12 @@ class TensorKey:
             except (RuntimeError, NotImplementedError):
                 cs, ps = _storage(c), _storage(p)
             # One flat tuple (it is hashed and compared on every cache lookup). Index tensors are integer,
-            # strided and on the sparse tensor's device; the conj/neg bits never apply to them.
+            # strided and on the sparse tensor's device; the neg bit applies to them (torch._neg_view: the
+            # same memory read as other indices), the conj bit does not.
             self._identity = (
                 layout, tensor.device, tensor.shape, blocksize,
-                id(cs), c.storage_offset(), c.shape, c.stride(), c.dtype,
-                id(ps), p.storage_offset(), p.shape, p.stride(), p.dtype,
+                id(cs), c.storage_offset(), c.shape, c.stride(), c.dtype, c.is_neg(),
+                id(ps), p.storage_offset(), p.shape, p.stride(), p.dtype, p.is_neg(),
             )  # fmt: skip
             self._anchors = (_ref(cs), _ref(ps))
             # (members made under inference mode have no counter, even in a wrapper made outside it)

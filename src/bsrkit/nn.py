@@ -263,6 +263,9 @@ class BSRLinear(nn.Module):
     ) -> None:
         # A checkpoint must load whole or fail here, naming the defect, before anything changes (not in a
         # later forward); one of another nnz resizes the values and col_indices first.
+        values_now = self._parameters.get("values")
+        if values_now is not None:  # (as in _apply: a swapping load refuses a weakly referenced tensor)
+            shortcuts.forget_weight(values_now)
         names = ("crow_indices", "col_indices", "values")
         crow, col, values = (state_dict.get(prefix + n) for n in names)
         # (the pattern is judged on index data that can be read: plain tensors with memory, whatever the

@@ -197,8 +197,8 @@ _operands: dict[int, tuple[Any, ...]] = {}
 def _member_layout(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor) -> tuple[Any, ...]:
     """Which memory a wrapper's members view, and how (one flat tuple: this runs on every kept hit)."""
     return (
-        crow.data_ptr(), crow.shape, crow.stride(),
-        col.data_ptr(), col.shape, col.stride(),
+        crow.data_ptr(), crow.shape, crow.stride(), crow.is_neg(),
+        col.data_ptr(), col.shape, col.stride(), col.is_neg(),
         values.data_ptr(), values.shape, values.stride(), values.dtype, values.is_neg(),
     )  # fmt: skip
 
@@ -271,11 +271,12 @@ _weights: dict[int, tuple[Any, ...]] = {}
 
 def _layouts(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor) -> tuple[Any, ...]:
     """What a wrapper of the parts depends on besides their identity and contents (one flat tuple: this
-    runs on every layer call)."""
+    runs on every layer call). The negative bit too: a view carrying it reads the same memory as another
+    value (``torch._neg_view``)."""
     return (
-        crow.data_ptr(), crow.shape, crow.stride(), crow.dtype, crow.device,
-        col.data_ptr(), col.shape, col.stride(), col.dtype,
-        values.data_ptr(), values.shape, values.stride(), values.dtype, values.device,
+        crow.data_ptr(), crow.shape, crow.stride(), crow.dtype, crow.device, crow.is_neg(),
+        col.data_ptr(), col.shape, col.stride(), col.dtype, col.is_neg(),
+        values.data_ptr(), values.shape, values.stride(), values.dtype, values.device, values.is_neg(),
     )  # fmt: skip
 
 
