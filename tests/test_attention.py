@@ -541,7 +541,7 @@ def test_mask_builders_take_numpy_integers_as_ints():
     got = bsrkit.sliding_window_mask(np.int64(32), np.int32(3), np.int64(8))
     assert torch.equal(got.to_dense(), want.to_dense())
     assert torch.equal(bsrkit.causal_mask(np.int64(16), 4).to_dense(), bsrkit.causal_mask(16, 4).to_dense())
-    with pytest.raises(TypeError, match="expected window to be an int, got bool"):
+    with pytest.raises(TypeError, match="expected window to be an int, got numpy.bool"):
         bsrkit.sliding_window_mask(32, np.bool_(True), 8)
 
 
@@ -565,3 +565,12 @@ def test_mask_from_dense_names_a_mask_of_another_dtype():
     for bad in (torch.ones(8, 8), "mask"):
         with pytest.raises(ValueError, match=r"mask_from_dense\(\): expected mask to be a strided bool"):
             bsrkit.mask_from_dense(bad, 4)  # (ArgumentTypeError: a ValueError and a TypeError)
+
+
+def test_a_numpy_bool_is_named_with_its_module():
+    # ("expected is_causal to be a bool, got bool" contradicted itself for numpy.bool)
+    np = pytest.importorskip("numpy")
+    mask = bsrkit.sliding_window_mask(32, 4, 8)
+    q = torch.randn(32, 16)
+    with pytest.raises(ValueError, match="expected is_causal to be a bool, got numpy.bool"):
+        bsrkit.scaled_dot_product_attention(q, q, q, mask, is_causal=np.True_)

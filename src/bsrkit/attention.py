@@ -66,6 +66,7 @@ from bsrkit.validation import (
     check_same_dtype,
     check_strided,
     resolved,
+    type_name,
 )
 
 __all__ = [
@@ -120,19 +121,19 @@ def scaled_dot_product_attention(
     # (numbers.Real: numpy's scalars too, as torch's SDPA takes them)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise ArgumentTypeError(
-            f"{_OP}(): expected dropout_p to be a real number, got {type(dropout_p).__name__}"
+            f"{_OP}(): expected dropout_p to be a real number, got {type_name(dropout_p)}"
         )
     if not 0 <= dropout_p <= 1:
         raise ValueError(f"{_OP}(): expected dropout_p in [0, 1], got {dropout_p!r}")
     if not isinstance(is_causal, bool):
-        raise ArgumentTypeError(f"{_OP}(): expected is_causal to be a bool, got {type(is_causal).__name__}")
+        raise ArgumentTypeError(f"{_OP}(): expected is_causal to be a bool, got {type_name(is_causal)}")
     if scale is None:
         if query.shape[-1] == 0:
             raise ValueError(f"{_OP}(): expected query.shape[-1] > 0 when scale is None (1/sqrt(E)), got 0")
         scale = 1 / math.sqrt(query.shape[-1])
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ArgumentTypeError(
-            f"{_OP}(): expected scale to be a real number or None, got {type(scale).__name__}"
+            f"{_OP}(): expected scale to be a real number or None, got {type_name(scale)}"
         )
     batch = broadcast_batch(
         _OP,
@@ -225,7 +226,7 @@ def _check_inputs(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
         check_same_dtype(_OP, name, t, "query", query)
         check_same_device(_OP, name, t, "query", query)
     if not isinstance(attn_mask, torch.Tensor) or attn_mask.layout is not torch.sparse_bsr:
-        got = attn_mask.layout if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
+        got = attn_mask.layout if isinstance(attn_mask, torch.Tensor) else type_name(attn_mask)
         raise ArgumentTypeError(
             f"{_OP}(): expected attn_mask to be a torch.sparse_bsr tensor (its stored blocks bound the "
             f"work; see bsrkit.sliding_window_mask and the other builders), got {got}"

@@ -44,7 +44,7 @@ from torch import nn
 from bsrkit import custom_ops, shortcuts
 from bsrkit.nn import BSRLinear, autocast_operands
 from bsrkit.places import module_places, put
-from bsrkit.validation import ArgumentTypeError, check_operand_dtypes
+from bsrkit.validation import ArgumentTypeError, check_operand_dtypes, type_name
 
 __all__ = ["BlockRowParallelBSRLinear", "parallelize", "split_block_rows"]
 
@@ -111,7 +111,7 @@ def _resolve_group(group: Any) -> dist.ProcessGroup:
         return group
     raise TypeError(
         f"BlockRowParallelBSRLinear(): expected a ProcessGroup, a 1-D DeviceMesh or None, got "
-        f"{type(group).__name__}"
+        f"{type_name(group)}"
     )
 
 
@@ -216,7 +216,7 @@ class BlockRowParallelBSRLinear(nn.Module):
     def __init__(self, layer: BSRLinear, group: Any = None) -> None:
         super().__init__()
         if not isinstance(layer, BSRLinear):
-            raise TypeError(f"BlockRowParallelBSRLinear(): expected a BSRLinear, got {type(layer).__name__}")
+            raise TypeError(f"BlockRowParallelBSRLinear(): expected a BSRLinear, got {type_name(layer)}")
         self.group = _resolve_group(group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -259,7 +259,7 @@ class BlockRowParallelBSRLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = "BlockRowParallelBSRLinear.forward"
         if not isinstance(x, torch.Tensor) or x.layout is not torch.strided:
-            got = x.layout if isinstance(x, torch.Tensor) else type(x).__name__
+            got = x.layout if isinstance(x, torch.Tensor) else type_name(x)
             raise ArgumentTypeError(f"{op}(): expected x to be a strided (dense) torch.Tensor, got {got}")
         if not x.ndim or x.shape[-1] != self.in_features:
             raise ValueError(
@@ -357,7 +357,7 @@ def parallelize(module: nn.Module, group: Any = None) -> nn.Module:
     """Replace ``module`` (if a :class:`~bsrkit.nn.BSRLinear`) or each ``BSRLinear`` inside it by a
     :class:`BlockRowParallelBSRLinear` over ``group``; returns the (new) module."""
     if not isinstance(module, nn.Module):
-        raise TypeError(f"parallelize(): expected an nn.Module, got {type(module).__name__}")
+        raise TypeError(f"parallelize(): expected an nn.Module, got {type_name(module)}")
     if isinstance(module, BSRLinear):
         return BlockRowParallelBSRLinear(module, group)
     # One parallel layer at every place of a layer used at several; layers tied by sparsify_ (one values

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from bsrkit.eager import eager_under_compile
-from bsrkit.validation import ArgumentTypeError, check_blocksize, check_size
+from bsrkit.validation import ArgumentTypeError, check_blocksize, check_size, type_name
 
 __all__ = [
     "block_local_mask",
@@ -169,7 +169,7 @@ def mask_from_dense(mask: torch.Tensor, blocksize: int | tuple[int, int]) -> tor
     block count), False where a batch has nothing."""
     op = "mask_from_dense"
     if not isinstance(mask, torch.Tensor) or mask.layout is not torch.strided or mask.dtype != torch.bool:
-        got = f"{mask.layout}, {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        got = f"{mask.layout}, {mask.dtype}" if isinstance(mask, torch.Tensor) else type_name(mask)
         raise ArgumentTypeError(f"{op}(): expected mask to be a strided bool tensor, got {got}")
     if mask.ndim < 2:
         raise ValueError(f"{op}(): expected mask of shape (*B, L, S), got {tuple(mask.shape)}")

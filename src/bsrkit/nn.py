@@ -30,6 +30,7 @@ from bsrkit.validation import (
     check_operand_dtypes,
     check_same_device,
     pattern_defect,
+    type_name,
 )
 
 __all__ = ["BSRLinear"]
@@ -141,7 +142,7 @@ class BSRLinear(nn.Module):
         if not isinstance(linear, nn.Linear):  # (a Conv1D's weight is (in, out): it would be read transposed)
             conv1d = " (transformers' Conv1D stores its weight transposed: sparsify_ converts it)"
             raise TypeError(
-                f"BSRLinear.from_dense(): expected linear to be an nn.Linear, got {type(linear).__name__}"
+                f"BSRLinear.from_dense(): expected linear to be an nn.Linear, got {type_name(linear)}"
                 + (conv1d if type(linear).__name__ == "Conv1D" else "")
             )
         bo, bi = check_blocksize("BSRLinear.from_dense", blocksize)
@@ -237,7 +238,7 @@ class BSRLinear(nn.Module):
         does not end in ``in_features``)."""
         op = "BSRLinear.forward()"
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{op}: expected x to be a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{op}: expected x to be a torch.Tensor, got {type_name(x)}")
         if x.layout is not torch.strided:
             raise TypeError(f"{op}: expected x to be a strided (dense) tensor, got layout {x.layout}")
         raise ValueError(f"{op}: expected x of shape (*, {self.in_features}), got {tuple(x.shape)}")

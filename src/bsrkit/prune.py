@@ -59,7 +59,7 @@ from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
 from bsrkit.regrow import DenseGradient, GradientRecord, RigL, drop_and_grow
 from bsrkit.sparsify import break_even_density, check_selected, default_filter, foreign_holders
-from bsrkit.validation import check_blocksize, check_density, check_size
+from bsrkit.validation import check_blocksize, check_density, check_size, type_name
 
 __all__ = ["GradualPruner", "RigL", "cubic_density"]
 
@@ -154,16 +154,14 @@ class GradualPruner:
     ) -> None:
         op = "GradualPruner()"
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{op}: expected model to be an nn.Module, got {type(model).__name__}")
+            raise TypeError(f"{op}: expected model to be an nn.Module, got {type_name(model)}")
         if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
             raise TypeError(  # (its state follows each new pattern: a list of parameters has none)
                 f"{op}: expected optimizer to be a torch.optim.Optimizer (or a wrapper with its param_groups "
-                f"and state) or None, got {type(optimizer).__name__}"
+                f"and state) or None, got {type_name(optimizer)}"
             )
         if filter_fn is not None and not callable(filter_fn):
-            raise TypeError(
-                f"{op}: expected filter_fn to be callable or None, got {type(filter_fn).__name__}"
-            )
+            raise TypeError(f"{op}: expected filter_fn to be callable or None, got {type_name(filter_fn)}")
         bo, bi = check_blocksize("GradualPruner", blocksize)
         check_density("GradualPruner", target_density, "target_density")
         for name, value in (("start_step", start_step), ("end_step", end_step), ("every", every)):
@@ -203,9 +201,7 @@ class GradualPruner:
             if not selected(module, fqn):
                 continue
             if not isinstance(module, nn.Linear):  # (no Conv1D either: the pruner moves nn.Linear weights)
-                raise ValueError(
-                    f"{op}: filter_fn selected {fqn!r}, a {type(module).__name__}, not an nn.Linear"
-                )
+                raise ValueError(f"{op}: filter_fn selected {fqn!r}, a {type_name(module)}, not an nn.Linear")
             out_f, in_f = check_selected(op, model, module, fqn, (bo, bi), holders)
             if not module.weight.requires_grad:  # (before any hook: nothing is left on the model)
                 raise ValueError(
@@ -431,7 +427,7 @@ class GradualPruner:
                 ("scores", state["scores"][layer.fqn], layer.score),
             ):
                 if not isinstance(t, torch.Tensor) or t.shape != like.shape:
-                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type_name(t)
                     raise ValueError(
                         f"{op}: expected a {tuple(like.shape)} {what} for {layer.fqn!r}, got {got}"
                     )

@@ -24,6 +24,7 @@ from bsrkit.validation import (
     check_strided,
     may_share_memory,
     resolved,
+    type_name,
 )
 
 __all__ = ["bsr_scatter_mm", "bsr_scatter_mm_indices_data", "scatter_mm"]
@@ -148,7 +149,7 @@ def _check_no_grad(op: str, **tensors: Any) -> None:
 def _check_indices_format(op: str, indices_data: Any) -> str:
     if not isinstance(indices_data, tuple) or not indices_data:
         raise ValueError(
-            f"{op}(): expected indices_data to be a tuple (format, ...), got {type(indices_data).__name__}"
+            f"{op}(): expected indices_data to be a tuple (format, ...), got {type_name(indices_data)}"
             + (" (empty)" if isinstance(indices_data, tuple) else "")
         )
     if indices_data[0] not in _INDICES_FORMATS:

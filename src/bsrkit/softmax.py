@@ -20,7 +20,7 @@ import torch
 from bsrkit import autograd, dispatch
 from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
-from bsrkit.validation import ArgumentTypeError, check_bsr, resolved
+from bsrkit.validation import ArgumentTypeError, check_bsr, resolved, type_name
 
 if TYPE_CHECKING:
     from bsrkit.backends.base import Backend
@@ -47,7 +47,7 @@ def bsr_softmax(input: torch.Tensor, max_row_nnz: int | None = None) -> torch.Te
     if max_row_nnz is not None:
         if isinstance(max_row_nnz, bool) or not isinstance(max_row_nnz, int):
             raise ArgumentTypeError(
-                f"{op}(): expected max_row_nnz to be an int or None, got {type(max_row_nnz).__name__}"
+                f"{op}(): expected max_row_nnz to be an int or None, got {type_name(max_row_nnz)}"
             )
         if max_row_nnz < 1:
             raise ValueError(f"{op}(): expected max_row_nnz >= 1, got {max_row_nnz}")

@@ -23,7 +23,7 @@ from torch import nn
 from bsrkit.break_even import break_even_density
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
-from bsrkit.validation import check_blocksize, check_density
+from bsrkit.validation import check_blocksize, check_density, type_name
 
 __all__ = [
     "LayerReport",
@@ -91,11 +91,11 @@ def replacement_problem(
         if nn.utils.parametrize.is_parametrized(module) or not isinstance(module.weight, nn.Parameter):
             return "its weight is parametrized or not a Parameter (remove the parametrization first)"
         if type(module).forward is not nn.Linear.forward:
-            return f"a {type(module).__name__} with its own forward (a BSRLinear would drop it)"
+            return f"a {type_name(module)} with its own forward (a BSRLinear would drop it)"
         extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
         extra += [n for n, _ in module.named_buffers()] + [n for n, _ in module.named_children()]
         if extra:
-            return f"a {type(module).__name__} holding more than weight and bias ({', '.join(extra[:3])})"
+            return f"a {type_name(module)} holding more than weight and bias ({', '.join(extra[:3])})"
     parent_name, _, name = fqn.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     for kind, names in _READ_BY_PARENT:
@@ -117,9 +117,7 @@ def check_selected(
     not divide, or a :func:`replacement_problem` (``holders`` as there)."""
     features = _features(module)
     if features is None:
-        raise ValueError(
-            f"{where}: filter_fn selected {fqn!r}, a {type(module).__name__}, not a linear layer"
-        )
+        raise ValueError(f"{where}: filter_fn selected {fqn!r}, a {type_name(module)}, not a linear layer")
     if features[0] % blocksize[0] or features[1] % blocksize[1]:
         raise ValueError(
             f"{where}: expected blocksize {blocksize} to divide the (out, in) features of {fqn!r}, got "
@@ -266,18 +264,16 @@ def sparsify_(
     summary counts a shared weight once.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"sparsify_(): expected model to be an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"sparsify_(): expected model to be an nn.Module, got {type_name(model)}")
     bo, bi = check_blocksize("sparsify_", blocksize)
     check_density("sparsify_", density)
     if criterion != "block_norm":
         raise ValueError(f"sparsify_(): expected criterion 'block_norm', got {criterion!r}")
     if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(
-            f"sparsify_(): expected filter_fn to be callable or None, got {type(filter_fn).__name__}"
-        )
+        raise TypeError(f"sparsify_(): expected filter_fn to be callable or None, got {type_name(filter_fn)}")
     if isinstance(model, nn.Linear) or _is_conv1d(model):
         raise ValueError(
-            f"sparsify_(): expected a model holding linear layers, got a {type(model).__name__} itself (it "
+            f"sparsify_(): expected a model holding linear layers, got a {type_name(model)} itself (it "
             "cannot be replaced in place): use BSRLinear.from_dense, or wrap it in a module"
         )
     selected = filter_fn or default_filter((bo, bi), model)

@@ -9,6 +9,7 @@ library catches it.
 
 from __future__ import annotations
 
+import builtins
 import numbers
 from typing import Any, TypeGuard
 
@@ -52,6 +53,15 @@ class MixedDtypeError(ArgumentTypeError, RuntimeError):
     mat2 must have the same dtype" is, so a layer swapped for :class:`bsrkit.nn.BSRLinear` raises alike."""
 
 
+def type_name(value: Any) -> str:
+    """``value``'s type as an error message names it: its bare name, with its module where that name is
+    a builtin's and the type is not (``numpy.bool``: "expected a bool, got bool" would contradict itself)."""
+    t = type(value)
+    if t.__module__ != "builtins" and hasattr(builtins, t.__name__):
+        return f"{t.__module__}.{t.__name__}"
+    return t.__name__
+
+
 def check_operand_dtypes(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     """``t`` and ``ref`` must share one supported floating dtype (both dtypes named when they do not)."""
     if t.dtype != ref.dtype:
@@ -68,7 +78,7 @@ def check_operand_dtypes(op: str, name: str, t: torch.Tensor, ref_name: str, ref
 def check_bsr(op: str, name: str, t: Any, dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES) -> None:
     """``t`` must be a BSR tensor with no dense dims, of one of ``dtypes``."""
     if not isinstance(t, torch.Tensor):
-        raise ArgumentTypeError(f"{op}(): expected {name} to be a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{op}(): expected {name} to be a torch.Tensor, got {type_name(t)}")
     if t.layout is not torch.sparse_bsr:
         raise ArgumentTypeError(f"{op}(): expected {name} to have layout torch.sparse_bsr, got {t.layout}")
     if t.dense_dim() != 0:
@@ -94,7 +104,7 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
 
 def check_strided(op: str, name: str, t: Any, min_ndim: int = 2) -> None:
     if not isinstance(t, torch.Tensor):
-        raise ArgumentTypeError(f"{op}(): expected {name} to be a torch.Tensor, got {type(t).__name__}")
+        raise ArgumentTypeError(f"{op}(): expected {name} to be a torch.Tensor, got {type_name(t)}")
     if t.layout is not torch.strided:
         raise ArgumentTypeError(f"{op}(): expected {name} to be a strided tensor, got layout {t.layout}")
     if t.ndim < min_ndim:
@@ -170,7 +180,7 @@ def check_out(
 def check_scalar(op: str, name: str, value: Any) -> float:
     """A real number (a Python int or float, not a bool), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(f"{op}(): expected {name} to be a real number, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{op}(): expected {name} to be a real number, got {type_name(value)}")
     return float(value)
 
 
@@ -189,7 +199,7 @@ def check_coefficient(op: str, name: str, value: Any) -> float:
         return float(value.item())
     if not isinstance(value, numbers.Real):
         raise ArgumentTypeError(
-            f"{op}(): expected {name} to be a real number or a 0-d tensor, got {type(value).__name__}"
+            f"{op}(): expected {name} to be a real number or a 0-d tensor, got {type_name(value)}"
         )
     return float(value)
 
@@ -214,7 +224,7 @@ def check_blocksize(op: str, blocksize: Any) -> tuple[int, int]:
 def check_size(op: str, name: str, value: Any) -> int:
     """A length or count: an int >= 0 (not a bool)."""
     if not _is_int(value):
-        raise ArgumentTypeError(f"{op}(): expected {name} to be an int, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{op}(): expected {name} to be an int, got {type_name(value)}")
     if value < 0:
         raise ValueError(f"{op}(): expected {name} >= 0, got {value}")
     return int(value)
@@ -263,7 +273,7 @@ def may_share_memory(a: torch.Tensor, *others: torch.Tensor | None) -> int:
 
 def check_meta(op: str, meta: Any) -> None:
     if meta is not None and not isinstance(meta, dict):
-        raise ArgumentTypeError(f"{op}(): expected meta to be a dict or None, got {type(meta).__name__}")
+        raise ArgumentTypeError(f"{op}(): expected meta to be a dict or None, got {type_name(meta)}")
 
 
 def check_max_grid(op: str, max_grid: Any) -> None:
@@ -321,7 +331,7 @@ def pattern_defect(
 
 def _index_vector(name: str, t: Any) -> str | None:
     if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
-        return f"expected {name} to be a strided tensor, got {type(t).__name__}"
+        return f"expected {name} to be a strided tensor, got {type_name(t)}"
     if t.dtype not in (torch.int32, torch.int64):
         return f"expected {name} of dtype int32 or int64, got {t.dtype}"
     return None
