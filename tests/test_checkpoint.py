@@ -551,3 +551,47 @@ def test_a_meta_model_computing_integer_buffers_in_init_weights_loads(tmp_path, 
     assert torch.equal(loaded.pos.position_ids, torch.arange(8)) and bool(loaded.pos.valid.all())
     x = torch.randn(3, 8)
     assert torch.equal(loaded(x), model(x))
+
+
+def test_an_init_weights_writing_a_childs_weights_never_overwrites_loaded_ones(tmp_path):
+    """GPT-2's attention module (transformers 4.x) holds no parameters of its own, non-persistent bool and
+    float buffers, and an _init_weights that re-draws a child's weight: it ran after the file's tensors
+    were assigned, so the loaded model had a random c_proj (outputs off by 0.6). It runs while the
+    parameters are still on meta."""
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn, self.c_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.register_buffer("bias", torch.tril(torch.ones(4, 4, dtype=torch.bool)), persistent=False)
+            self.register_buffer("masked_bias", torch.tensor(-1e4), persistent=False)
+
+        def forward(self, x):
+            return self.c_proj(torch.relu(self.c_attn(x))) + self.masked_bias * 0 + self.bias.sum()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = Attn()
+
+        def _init_weights(self, module):
+            if isinstance(module, Attn):
+                module.bias = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+                module.masked_bias = torch.tensor(-1e4)
+            for name, p in module.named_parameters():
+                if name == "c_proj.weight":
+                    p.data.normal_(0, 0.02)
+
+        def forward(self, x):
+            return self.attn(x)
+
+    torch.manual_seed(0)
+    model = Model()
+    sparsify_(model, blocksize=4, density=0.5, force=True, filter_fn=lambda m, fqn: fqn == "attn.c_attn")
+    save_sparse(model, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        shell = Model()
+    loaded = load_sparse(shell, tmp_path / "m.safetensors")
+    assert torch.equal(loaded.attn.c_proj.weight, model.attn.c_proj.weight)
+    x = torch.randn(3, 16)
+    assert torch.equal(loaded(x), model(x))

@@ -688,6 +688,9 @@ def test_pass_snapshot_hands_the_function_its_proof():
 def test_verify_contents_takes_a_bool():
     with pytest.raises(TypeError, match="verify_contents to be a bool, got int"):
         weak_lru_cache(verify_contents=1)  # type: ignore[arg-type]
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match="verify_contents to be a bool, got numpy.bool"):  # (not "got bool")
+        weak_lru_cache(verify_contents=np.True_)  # type: ignore[arg-type]
 
 
 def test_verify_contents_entries_still_die_with_their_memory():

@@ -773,7 +773,9 @@ def test_the_pruners_arguments_are_checked_by_name():
     kw = dict(blocksize=BS, target_density=0.5, start_step=0, end_step=2, every=1)
     with pytest.raises(TypeError, match="expected model to be an nn.Module, got str"):
         GradualPruner("x", opt, **kw)
-    with pytest.raises(TypeError, match=r"expected optimizer to be a torch.optim.Optimizer \(or a wrapper"):
+    with pytest.raises(
+        TypeError, match=r"expected optimizer to be a torch.optim.Optimizer \(or a wrapper holding"
+    ):
         GradualPruner(model, model.parameters(), **kw)
     with pytest.raises(TypeError, match="expected filter_fn to be callable or None, got int"):
         GradualPruner(model, opt, filter_fn=3, **kw)
@@ -837,16 +839,19 @@ def test_a_wrapped_optimizer_and_float64_movement_scores():
     state following the pattern; float64 layers accumulate movement in float64 (float32 sums ranked
     them)."""
 
-    class Wrapper:  # (not a torch.optim.Optimizer subclass)
-        def __init__(self, inner):
-            self.inner = inner
+    class Wrapper:  # (not a torch.optim.Optimizer subclass: accelerate's AcceleratedOptimizer's shape)
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
 
-        param_groups = property(lambda self: self.inner.param_groups)
-        state = property(lambda self: self.inner.state)
+        param_groups = property(lambda self: self.optimizer.param_groups)
+        state = property(lambda self: self.optimizer.state)
 
         def step(self):
-            self.inner.step()
+            self.optimizer.step()
 
+    with pytest.raises(TypeError, match="or a wrapper holding one as .optimizer"):
+        GradualPruner(nn.Sequential(nn.Linear(16, 16)), Wrapper([]), blocksize=4, target_density=0.5,
+                      start_step=0, end_step=1, every=1)  # fmt: skip
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double()
     opt = Wrapper(torch.optim.Adam(model.parameters(), lr=1e-2))
@@ -864,3 +869,33 @@ def test_a_wrapped_optimizer_and_float64_movement_scores():
     assert pruner.densities()["0"] == 0.25 and isinstance(model[0], BSRLinear)
     values = model[0].values
     assert opt.state[values]["exp_avg"].shape == values.shape
+
+
+def test_a_wrapped_adagrad_keeps_its_start_value_for_new_blocks():
+    """The per-optimizer rules test the wrapped optimizer's class: a wrapped Adagrad's pruned-and-grown
+    state starts at initial_accumulator_value, as the bare one's (it started at 0)."""
+
+    class Wrapper:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        param_groups = property(lambda self: self.optimizer.param_groups)
+        state = property(lambda self: self.optimizer.state)
+
+    sums = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        inner = torch.optim.Adagrad(model.parameters(), lr=1e-2, initial_accumulator_value=0.5)
+        opt = Wrapper(inner) if wrap else inner
+        pruner = GradualPruner(model, opt, blocksize=4, target_density=0.5, start_step=0, end_step=1,
+                               every=1, filter_fn=lambda m, fqn: fqn == "0", sparse_below=None,
+                               regrow=RigL(0.5, every=1, decay="constant"))  # fmt: skip
+        x, y = torch.randn(8, 16), torch.randn(8, 4)
+        for _ in range(3):
+            inner.zero_grad()
+            (model(x) - y).square().mean().backward()
+            inner.step()
+            pruner.step()
+        sums.append(inner.state[model[0].weight]["sum"].clone())
+    torch.testing.assert_close(sums[0], sums[1])

@@ -346,6 +346,13 @@ def test_a_selection_holding_one_of_two_layers_sharing_a_bias_is_refused():
     assert isinstance(model[0], nn.Linear) and model[0].bias is model[2].bias
     sparsify_(model, blocksize=4, density=0.5, force=True)
     assert model[0].bias is model[2].bias
+    # One shared with a non-linear module is named as such (selecting both cannot work there)
+    ln = nn.LayerNorm(16)
+    linear = nn.Linear(16, 16)
+    ln.bias = linear.bias
+    with pytest.raises(ValueError, match="its bias is shared with 'ln', a LayerNorm"):
+        sparsify_(nn.ModuleDict({"a": linear, "ln": ln}), blocksize=4, density=0.5, force=True,
+                  filter_fn=lambda m, fqn: fqn == "a")  # fmt: skip
 
 
 def test_tied_layers_sharing_their_bias_keep_sharing_it():

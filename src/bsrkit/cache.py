@@ -52,6 +52,7 @@ import torch
 from bsrkit.call_keys import UNCACHEABLE, make_key
 from bsrkit.freshness import Snapshot, content_tensors, with_data
 from bsrkit.keys import TensorKey
+from bsrkit.validation import type_name
 
 __all__ = ["CacheInfo", "weak_lru_cache"]
 
@@ -598,7 +599,7 @@ def weak_lru_cache(
         raise ValueError(f"weak_lru_cache(): expected maxbytes to be None or an int >= 0, got {maxbytes!r}")
     if not isinstance(verify_contents, bool):
         raise TypeError(
-            f"weak_lru_cache(): expected verify_contents to be a bool, got {type(verify_contents).__name__}"
+            f"weak_lru_cache(): expected verify_contents to be a bool, got {type_name(verify_contents)}"
         )
     if not isinstance(pass_snapshot, bool) or (pass_snapshot and not verify_contents):
         raise ValueError(

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from bsrkit.keys import TensorKey
+from bsrkit.validation import type_name
 
 __all__ = ["UNCACHEABLE", "Uncacheable", "make_key"]
 
@@ -60,7 +61,7 @@ def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) 
     except TypeError:
         raise TypeError(
             f"weak_lru_cache: argument {_describe(name)} must be a tensor or hashable, "
-            f"got unhashable {type(value).__name__}"
+            f"got unhashable {type_name(value)}"
         ) from None
     return value
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
+from bsrkit.validation import type_name
 
 __all__ = ["load_sparse", "parameters_on_meta", "read_sparse_metadata", "save_sparse"]
 
@@ -88,7 +89,7 @@ def save_sparse(
     from safetensors.torch import save_file
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"save_sparse(): expected model to be an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"save_sparse(): expected model to be an nn.Module, got {type_name(model)}")
     if isinstance(model, BSRLinear):
         raise ValueError(
             "save_sparse(): expected a model holding BSRLinear layers, got a BSRLinear itself (load_sparse "
@@ -271,13 +272,19 @@ def _swap_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
         put(model, fqns, layer)
 
 
-def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
-    """Give real values to non-persistent buffers left on ``meta`` (a model passed in built on ``meta``):
-    a transformers model recomputes them through its ``_init_weights`` (as ``from_pretrained`` does) on
-    modules without parameters of their own (rotary embeddings); anything else left on meta is an error."""
+def _materialise_buffers(model: nn.Module, device: torch.device, loaded: set[str]) -> None:
+    """Give real values to non-persistent buffers left on ``meta`` (a model passed in built on ``meta``;
+    ``loaded``: the names the file will fill): a transformers model recomputes them through its
+    ``_init_weights`` (as ``from_pretrained`` does) on modules without parameters of their own (rotary
+    embeddings); anything else left on meta is an error. Runs before the file's tensors are assigned,
+    while the parameters are still on meta: an ``_init_weights`` that also writes a child's weights
+    (GPT-2's attention module) writes nothing there, never over a loaded weight."""
     init = getattr(model, "_init_weights", None)
     for fqn, module in model.named_modules():
-        names = [n for n, b in module._buffers.items() if b is not None and b.device.type == "meta"]
+        names = [
+            n for n, b in module._buffers.items()
+            if b is not None and b.device.type == "meta" and (f"{fqn}.{n}" if fqn else n) not in loaded
+        ]  # fmt: skip
         if not names:
             continue
         if callable(init) and not any(True for _ in module.parameters(recurse=False)):
@@ -354,12 +361,12 @@ def load_sparse(
             model = model_or_factory()
         if not isinstance(model, nn.Module):
             raise TypeError(
-                f"load_sparse(): expected the factory to return an nn.Module, got {type(model).__name__}"
+                f"load_sparse(): expected the factory to return an nn.Module, got {type_name(model)}"
             )
     else:
         raise TypeError(
             "load_sparse(): expected an nn.Module or a callable returning one, got "
-            f"{type(model_or_factory).__name__}"
+            f"{type_name(model_or_factory)}"
         )
     layers: dict[str, dict[str, Any]] = record["layers"]
     tied: dict[str, str] = record["tied"]
@@ -395,6 +402,7 @@ def load_sparse(
                 f"load_sparse(): the checkpoint ties {name!r} to {source!r}, which the model lacks"
             )
         state[name] = state[source]
+    _materialise_buffers(model, device, set(state))
     model.load_state_dict(state, strict=True, assign=True)
     del state
     for name, source in tied.items():
@@ -404,7 +412,6 @@ def load_sparse(
             setattr(owner, leaf, model.get_parameter(source))
         elif leaf in owner._buffers:  # (tied layers' pattern: sparsify_ shares their index buffers too)
             owner._buffers[leaf] = model.get_buffer(source)
-    _materialise_buffers(model, device)
     saved = max(saved_dtypes, key=saved_dtypes.__getitem__) if saved_dtypes else None
     _cast_computed_buffers(model, stored, record["buffer_dtypes"], dtype, saved)
     return model.to(device)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from bsrkit.validation import type_name
+
 __all__ = ["SPARSE_COMPRESSED_LAYOUTS", "TensorKey"]
 
 SPARSE_COMPRESSED_LAYOUTS = frozenset(
@@ -91,7 +93,7 @@ class TensorKey:
         """``members``: ``(compressed indices, plain indices, values)`` of a sparse compressed
         ``tensor``, for a caller that fetched them already (each accessor creates a tensor, ~1 µs)."""
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"TensorKey(): expected a torch.Tensor, got {type(tensor).__name__}")
+            raise TypeError(f"TensorKey(): expected a torch.Tensor, got {type_name(tensor)}")
         layout = tensor.layout
         if layout is _STRIDED:
             storage: Any

@@ -155,11 +155,20 @@ class GradualPruner:
         op = "GradualPruner()"
         if not isinstance(model, nn.Module):
             raise TypeError(f"{op}: expected model to be an nn.Module, got {type_name(model)}")
-        if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
+        # A wrapper holding the optimizer as .optimizer (accelerate's, and others) is unwrapped: the state
+        # moved is the inner one's, and the per-optimizer rules (Adagrad's start value, LBFGS, Muon) test
+        # its class.
+        inner = optimizer
+        while (
+            inner is not None and not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer")
+        ):
+            inner = inner.optimizer
+        if inner is not None and not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(  # (its state follows each new pattern: a list of parameters has none)
-                f"{op}: expected optimizer to be a torch.optim.Optimizer (or a wrapper with its param_groups "
-                f"and state) or None, got {type_name(optimizer)}"
+                f"{op}: expected optimizer to be a torch.optim.Optimizer (or a wrapper holding one as "
+                f".optimizer) or None, got {type_name(optimizer)}"
             )
+        optimizer = inner
         if filter_fn is not None and not callable(filter_fn):
             raise TypeError(f"{op}: expected filter_fn to be callable or None, got {type_name(filter_fn)}")
         bo, bi = check_blocksize("GradualPruner", blocksize)

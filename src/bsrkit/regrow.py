@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from bsrkit.validation import type_name
+
 __all__ = ["DenseGradient", "GradientRecord", "RigL", "drop_and_grow"]
 
 
@@ -47,7 +49,7 @@ class RigL:
 
     def __post_init__(self) -> None:
         if isinstance(self.fraction, bool) or not isinstance(self.fraction, numbers.Real):
-            raise TypeError(f"RigL(): expected fraction to be a number, got {type(self.fraction).__name__}")
+            raise TypeError(f"RigL(): expected fraction to be a number, got {type_name(self.fraction)}")
         if not 0 <= self.fraction <= 1:
             raise ValueError(f"RigL(): expected fraction in [0, 1], got {self.fraction}")
         if not _is_count(self.every) or self.every < 1:

@@ -202,14 +202,14 @@ def _check_ties_whole(
     chosen: list[tuple[str, nn.Module, list[str]]], places: Iterable[tuple[nn.Module, list[str]]]
 ) -> None:
     """Refuse a selection holding one of two linear layers that share a weight or a bias (tied): the one
-    made block-sparse would no longer share it with the other, silently. (A bias is looked for in every
-    module; a weight a non-linear module holds is :func:`foreign_holders`' concern.)"""
+    made block-sparse would no longer share it with the other, silently. (One a non-linear module holds
+    is :func:`foreign_holders`' concern: it names that module.)"""
     picked = {id(m) for _, m, _ in chosen}
     places = list(places)
     for attr in ("weight", "bias"):
         holders: dict[int, list[tuple[str, nn.Module]]] = {}
         for module, fqns in places:
-            if attr == "weight" and not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+            if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
                 continue
             held = module._parameters.get(attr)
             if isinstance(held, torch.Tensor):
