@@ -22,6 +22,19 @@ from helpers import AttentionBlock, backends
 BS = (8, 8)
 
 
+class _Wrapped:
+    """An optimizer wrapper of accelerate's AcceleratedOptimizer's shape (not a torch.optim.Optimizer)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    param_groups = property(lambda self: self.optimizer.param_groups)
+    state = property(lambda self: self.optimizer.state)
+
+    def step(self):
+        self.optimizer.step()
+
+
 def _model(seed=0, dtype=torch.float64):
     torch.manual_seed(seed)
     layers = [nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)]
@@ -839,22 +852,12 @@ def test_a_wrapped_optimizer_and_float64_movement_scores():
     state following the pattern; float64 layers accumulate movement in float64 (float32 sums ranked
     them)."""
 
-    class Wrapper:  # (not a torch.optim.Optimizer subclass: accelerate's AcceleratedOptimizer's shape)
-        def __init__(self, optimizer):
-            self.optimizer = optimizer
-
-        param_groups = property(lambda self: self.optimizer.param_groups)
-        state = property(lambda self: self.optimizer.state)
-
-        def step(self):
-            self.optimizer.step()
-
     with pytest.raises(TypeError, match="or a wrapper holding one as .optimizer"):
-        GradualPruner(nn.Sequential(nn.Linear(16, 16)), Wrapper([]), blocksize=4, target_density=0.5,
+        GradualPruner(nn.Sequential(nn.Linear(16, 16)), _Wrapped([]), blocksize=4, target_density=0.5,
                       start_step=0, end_step=1, every=1)  # fmt: skip
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).double()
-    opt = Wrapper(torch.optim.Adam(model.parameters(), lr=1e-2))
+    opt = _Wrapped(torch.optim.Adam(model.parameters(), lr=1e-2))
     pruner = GradualPruner(model, opt, blocksize=4, target_density=0.25, start_step=0, end_step=3, every=1,
                            criterion="movement", filter_fn=lambda m, fqn: fqn == "0",
                            sparse_below=1.0)  # fmt: skip
@@ -875,19 +878,12 @@ def test_a_wrapped_adagrad_keeps_its_start_value_for_new_blocks():
     """The per-optimizer rules test the wrapped optimizer's class: a wrapped Adagrad's pruned-and-grown
     state starts at initial_accumulator_value, as the bare one's (it started at 0)."""
 
-    class Wrapper:
-        def __init__(self, optimizer):
-            self.optimizer = optimizer
-
-        param_groups = property(lambda self: self.optimizer.param_groups)
-        state = property(lambda self: self.optimizer.state)
-
     sums = []
     for wrap in (False, True):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
         inner = torch.optim.Adagrad(model.parameters(), lr=1e-2, initial_accumulator_value=0.5)
-        opt = Wrapper(inner) if wrap else inner
+        opt = _Wrapped(inner) if wrap else inner
         pruner = GradualPruner(model, opt, blocksize=4, target_density=0.5, start_step=0, end_step=1,
                                every=1, filter_fn=lambda m, fqn: fqn == "0", sparse_below=None,
                                regrow=RigL(0.5, every=1, decay="constant"))  # fmt: skip
