@@ -3,6 +3,7 @@ import gc
 import threading
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -600,6 +601,27 @@ def test_scalars_equal_in_python_but_not_to_the_function_are_distinct_keys():
     assert torch.equal(1 / scale(f, 0.0), torch.full((2,), torch.inf))
     assert torch.equal(1 / scale(f, -0.0), torch.full((2,), -torch.inf))
     assert scale.cache_info().misses == 5 and scale(t, 2).dtype == torch.int64
+
+
+def test_numpy_and_complex_scalars_are_keyed_with_their_type_and_signs():
+    @weak_lru_cache(maxsize=16)
+    def scale(t, s):
+        return t * s
+
+    t, f = torch.tensor([1, 2, 3]), torch.ones(2)
+    assert scale(t, np.int64(2)).dtype == torch.int64
+    assert scale(t, np.float64(2.0)).dtype == torch.float32  # (equal to np.int64(2), and hashed alike)
+    assert torch.equal(1 / scale(f, np.float64(0.0)), torch.full((2,), torch.inf))
+    assert torch.equal(1 / scale(f, np.float64(-0.0)), torch.full((2,), -torch.inf))
+    assert scale(f, 1 + 0j).dtype == torch.complex64 and scale(f, 1).dtype == torch.float32
+    assert scale.cache_info().misses == 6 and scale(t, np.int64(2)).dtype == torch.int64
+
+    @weak_lru_cache(maxsize=4)
+    def imaginary(t, s):
+        return torch.full_like(t, s.imag)
+
+    assert torch.equal(1 / imaginary(f, complex(0.0, -0.0)), torch.full((2,), -torch.inf))
+    assert torch.equal(1 / imaginary(f, complex(0.0, 0.0)), torch.full((2,), torch.inf))
 
 
 @pytest.mark.parametrize(

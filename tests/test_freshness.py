@@ -286,6 +286,55 @@ def test_values_re_pointed_after_a_product_are_the_ones_used(backend, op, how):
     _check(run, w.bsr)
 
 
+@pytest.mark.parametrize("product", ["mm", "transposed", "sampled"])
+def test_a_wrapper_given_another_shape_is_not_served_its_old_operand(backend, product):
+    """``bsr.data = <a BSR of the same members and another size>`` keeps the wrapper's TensorImpl, version
+    and members: only its shape says that the kept operand (its M, K, plans) no longer fits (a widened
+    wrapper's transposed product returned uninitialised rows; a narrowed one read past its operand and
+    corrupted the heap)."""
+    g = torch.Generator().manual_seed(3)
+    crow, col = torch.tensor([0, 2, 4, 6, 8]), torch.tensor([0, 1] * 4)
+    vals = torch.randn(8, 4, 4, generator=g)
+    b = torch.sparse_bsr_tensor(crow, col, vals, size=(16, 16))
+
+    def run(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        M, K = b.shape
+        if product == "mm":
+            x = torch.randn(K, 3, generator=g)
+            return bsrkit.bsr_dense_mm(b, x), reference.bsr_dense_mm(b, x)
+        if product == "transposed":
+            x = torch.randn(M, 3, generator=g)
+            return bsrkit.bsr_transposed_dense_mm(b, x), reference.bsr_transposed_dense_mm(b, x)
+        m1, m2 = torch.randn(M, 5, generator=g), torch.randn(5, K, generator=g)
+        got = bsrkit.sampled_addmm(b, m1, m2, beta=0.0)
+        return got.to_dense(), reference.sampled_addmm(b, m1, m2, beta=0.0).to_dense()
+
+    for _ in range(2):  # (the second call is a kept hit)
+        assert_close(*run(b))
+    b.data = torch.sparse_bsr_tensor(crow, col, vals, size=(16, 24))  # valid: block columns 0 and 1 of 6
+    got, expected = run(b)
+    assert got.shape == expected.shape
+    assert_close(got, expected)
+    # block column 1 out of range now (torch's invariant checks would refuse to build it)
+    b.data = torch.sparse_bsr_tensor(crow, col, vals, size=(16, 4), check_invariants=False)
+    with pytest.raises(ValueError, match="col_indices"):
+        run(b)
+
+
+def test_index_members_re_pointed_to_another_dtype_are_read_as_they_are(backend):
+    """``crow.data = crow.view(torch.int32)[:5]`` re-points a member at the same address, shape and
+    stride: only its dtype differs, and the pattern it now holds is another."""
+    crow, col = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([2])  # the one block in block row 1
+    b = torch.sparse_bsr_tensor(crow, col, torch.randn(1, 4, 4), size=(16, 16))
+    x = torch.randn(16, 3)
+    for _ in range(2):
+        assert_close(bsrkit.bsr_dense_mm(b, x), reference.bsr_dense_mm(b, x))
+    crow.data = crow.view(torch.int32)[:5]  # [0, 0, 0, 0, 1]: the block in block row 3
+    col.data = col.view(torch.int32)[:1]
+    assert b.crow_indices().dtype == torch.int32  # (torch's wrapper sees it)
+    assert_close(bsrkit.bsr_dense_mm(b, x), reference.bsr_dense_mm(b, x))
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_a_write_undone_during_a_derivation_leaves_no_stale_plan(backend, op, monkeypatch):
     """The race of a writer with a plan's derivation, made deterministic: every derivation (the pattern's

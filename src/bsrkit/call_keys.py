@@ -2,13 +2,15 @@
 
 Tensors become :class:`~bsrkit.keys.TensorKey` s (memory identity; their version counters are returned
 beside the key), scalars are keyed with their type (and a float's sign: ``2``, ``2.0``, ``True``, ``0.0``
-and ``-0.0`` are five keys, as they are five calls), other hashable values as they are. An inference
+and ``-0.0`` are five keys, as they are five calls), other hashable values with their type too (numpy
+scalars, complex numbers: with their signs of zero). An inference
 tensor (no version counter: an in-place change could not be seen) makes the call uncacheable.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Hashable
 from typing import Any
 
@@ -63,7 +65,7 @@ def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) 
             f"weak_lru_cache: argument {_describe(name)} must be a tensor or hashable, "
             f"got unhashable {type_name(value)}"
         ) from None
-    return value
+    return _other_part(value)
 
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
@@ -79,6 +81,15 @@ def _scalar_part(value: Any) -> Any:
     if kind is int or kind is bool:
         return (kind, value)
     return value
+
+
+def _other_part(value: Any) -> Any:
+    """Any other hashable value with its type, and a non-integral number's signs of zero: ``numpy.int64(2)``
+    and ``numpy.float64(2.0)``, or ``numpy.float64(0.0)`` and ``-0.0``, are equal but not the same call."""
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Integral):
+        z = complex(value)
+        return (type(value), value, math.copysign(1.0, z.real), math.copysign(1.0, z.imag))
+    return (type(value), value)
 
 
 def _tensor_key(t: torch.Tensor, name: Any) -> TensorKey:

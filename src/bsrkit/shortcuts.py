@@ -188,6 +188,8 @@ def keep_checked_call(signature: tuple[Any, ...], checked: CheckedCall) -> None:
 #   would pass). So a hit also compares the members' addresses and layouts, read through the accessors
 #   (~8 µs of a tiny call: the price of the promise); a kept weight's wrapper skips it
 #   (``members_proven``: its parts, which are its members, were compared by kept_weight in the same call).
+# - nor that the wrapper has its shape: ``bsr.data = <a BSR of the same members, another size>`` keeps its
+#   TensorImpl, version and members, so a hit compares its (M, K) with the operand's as well.
 
 # id(wrapper) -> (ref to it, its TensorImpl address, its version, the operand, its pattern's snapshot,
 #                 its members' layout)
@@ -197,8 +199,8 @@ _operands: dict[int, tuple[Any, ...]] = {}
 def _member_layout(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor) -> tuple[Any, ...]:
     """Which memory a wrapper's members view, and how (one flat tuple: this runs on every kept hit)."""
     return (
-        crow.data_ptr(), crow.shape, crow.stride(), crow.is_neg(),
-        col.data_ptr(), col.shape, col.stride(), col.is_neg(),
+        crow.data_ptr(), crow.shape, crow.stride(), crow.dtype, crow.is_neg(),
+        col.data_ptr(), col.shape, col.stride(), col.dtype, col.is_neg(),
         values.data_ptr(), values.shape, values.stride(), values.dtype, values.is_neg(),
     )  # fmt: skip
 
@@ -218,8 +220,11 @@ def kept_operand(
     seen = _operands.get(id(bsr))
     if seen is None or seen[0]() is not bsr or seen[1] != bsr._cdata or seen[2] != bsr._version:
         return None
-    if not members_proven and seen[5] != _member_layout(bsr.crow_indices(), bsr.col_indices(), bsr.values()):
-        return None  # a member re-pointed (.data =, set_): rebuilt from the members as they are
+    if not members_proven and (
+        seen[5] != _member_layout(bsr.crow_indices(), bsr.col_indices(), bsr.values())
+        or bsr.shape[-2:] != (seen[3].M, seen[3].K)
+    ):
+        return None  # a member re-pointed (.data =, set_), or the wrapper resized (bsr.data = another)
     if compare is None:
         if not seen[4].unchanged():
             return None  # its pattern was written since: the caller rebuilds (and revalidates) it
