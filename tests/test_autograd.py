@@ -443,3 +443,49 @@ def test_forward_mode_ad_is_refused_not_dropped():
             with pytest.raises(NotImplementedError, match="forward-mode AD"):
                 call()
         assert bsrkit.bsr_dense_mm(bsr, x).shape == (8, 3)  # (no tangent: runs)
+
+
+def test_forward_mode_ad_is_refused_on_repeated_calls_and_in_layers():
+    """A call repeating an earlier one's metadata skipped the refusal (its checks are kept), and a layer on
+    its no-grad path (frozen weights, or values passed by ``torch.func.functional_call``) detached the
+    values' tangent into its kept weight: both dropped a tangent silently."""
+    import torch.autograd.forward_ad as forward_ad
+
+    from bsrkit.nn import BSRLinear
+
+    bsr = random_bsr((8, 8), (2, 2), 0.5, dtype=torch.float64)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    bsrkit.bsr_dense_mm(bsr, x)  # (an ordinary call first: its checks are kept)
+    layer = BSRLinear(8, 8, 4, density=0.5, dtype=torch.float64).requires_grad_(False)
+    rows = torch.randn(3, 8, dtype=torch.float64)
+    layer(rows)
+    indices_data = bsrkit.bsr_scatter_mm_indices_data(bsr, x)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, torch.ones_like(x))
+        dual_rows = forward_ad.make_dual(rows, torch.ones_like(rows))
+        dual_values = forward_ad.make_dual(layer.values.detach(), torch.ones_like(layer.values))
+        for call in (
+            lambda: bsrkit.bsr_dense_mm(bsr, dual),
+            lambda: layer(dual_rows),
+            lambda: torch.func.functional_call(layer, {"values": dual_values}, (rows,)),
+            lambda: bsrkit.bsr_scatter_mm(bsr, dual, indices_data=indices_data),
+        ):
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                call()
+        assert layer(rows).shape == (3, 8)  # (no tangent: runs)
+
+
+def test_bsr_linear_trains_under_non_reentrant_activation_checkpointing():
+    """Its backward read ``ctx.saved_tensors`` twice (the pattern check, then the gradients), which
+    non-reentrant checkpointing (transformers' ``gradient_checkpointing_enable()`` default) refuses."""
+    from torch.utils.checkpoint import checkpoint
+
+    from bsrkit.nn import BSRLinear
+
+    layer = BSRLinear(16, 16, 4, density=0.5, dtype=torch.float64)
+    x = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    checkpoint(lambda t: layer(t).tanh(), x, use_reentrant=False).sum().backward()
+    grads = x.grad.clone(), layer.values.grad.clone()
+    x.grad = layer.values.grad = None
+    layer(x).tanh().sum().backward()
+    torch.testing.assert_close(grads, (x.grad, layer.values.grad))

@@ -15,9 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from bsrkit import dispatch, ops, shortcuts
-from bsrkit.autograd import check_indices_unchanged
+from bsrkit.autograd import check_indices_unchanged, refuse_tangents
 from bsrkit.freshness import check_mode
 from bsrkit.operand import Operand
 from bsrkit.validation import check_operand_dtypes, check_same_device, resolved
@@ -52,6 +53,8 @@ def linear_product(
     The kernel writes :math:`y^T = W x^T` into the transposed view of a row-major ``y`` (its rows: every
     leading index of ``x``): ``x^T`` is a column-major view, read without a copy where ``x``'s rows are
     one strided matrix, and the output has the layout every later op expects."""
+    if forward_ad._current_level >= 0:  # (a dual level: a tangent would be dropped, the kept weight's too)
+        refuse_tangents((x, values, bias))
     if x.is_neg():
         x = resolved(x)  # (the kernels read memory)
     weight, calls = shortcuts.kept_weight(crow, col, values, (M, K))
@@ -267,10 +270,13 @@ def _setup_linear(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> No
     ctx.shape = (M, K, transposed, bias is not None)
 
 
-def _backward_linear(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _backward_linear(
+    ctx: Any, grad: torch.Tensor, saved: tuple[torch.Tensor, ...] | None = None
+) -> tuple[Any, ...]:
     # Y = X W^T + b:  dW = (G^T X)|P,  dX = G W,  db = sum_rows G.
     # Y = X W + b:    dW = (X^T G)|P,  dX = G W^T.
-    crow, col, values, x = ctx.saved_tensors
+    # (saved: ctx.saved_tensors as the caller read them: non-reentrant checkpointing unpacks them once)
+    crow, col, values, x = ctx.saved_tensors if saved is None else saved
     M, K, transposed, has_bias = ctx.shape
     Ms, Ks = values.shape[-2:]
     grad_values = grad_x = grad_bias = None
@@ -319,10 +325,10 @@ class EagerLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        saved = ctx.saved_tensors  # (read once: non-reentrant activation checkpointing allows no more)
         if ctx.pattern is not None:
-            crow, col = ctx.saved_tensors[:2]
-            check_indices_unchanged(ctx.pattern, (crow, col), "BSRLinear", "weight")
-        return _backward_linear(ctx, grad)
+            check_indices_unchanged(ctx.pattern, saved[:2], "BSRLinear", "weight")
+        return _backward_linear(ctx, grad, saved)
 
 
 def differentiable_linear(

@@ -195,6 +195,8 @@ def checked_addmm(
         alpha = check_coefficient(op, "alpha", alpha)
     if type(beta) is not float and type(beta) is not int:
         beta = check_coefficient(op, "beta", beta)
+    if forward_ad._current_level >= 0:  # (in a dual level, every call: a checked call skips _needs_grad)
+        autograd.refuse_tangents((input, dense, left, right))
     try:
         if dense.is_neg():
             dense = resolved(dense)  # (the kernels read memory: see validation.resolved)

@@ -10,8 +10,10 @@ import math
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from bsrkit import dispatch, plans
+from bsrkit.autograd import refuse_tangents
 from bsrkit.eager import eager_under_compile
 from bsrkit.freshness import check_mode
 from bsrkit.operand import Operand
@@ -136,6 +138,8 @@ def _as_tuple(indices_data: Any) -> Any:
 
 
 def _check_no_grad(op: str, **tensors: Any) -> None:
+    if forward_ad._current_level >= 0:  # (nor forward-mode: a tangent would be dropped)
+        refuse_tangents(tuple(tensors.values()))
     if not torch.is_grad_enabled():
         return
     for name, t in tensors.items():
