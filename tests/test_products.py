@@ -6,6 +6,7 @@ import gc
 import itertools
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -390,11 +391,24 @@ def test_concurrent_products_from_threads(product_path):
         assert_close(got, ref, k=64)
 
 
-def test_out_sharing_memory_with_dense_is_refused():
+def test_out_sharing_memory_with_dense_gets_the_product_of_dense_as_it_was():
+    """Computed in a temporary and copied in (as numpy's matmul): out on dense itself, an interleaved view
+    beside it (no element in common, one byte range), and an alias through another storage object
+    (``torch.from_numpy``, ``from_dlpack``: the check compared storages and let these through)."""
     bsr = random_bsr((8, 8), (2, 2), 0.6)
     d = torch.randn(8, 8)
-    with pytest.raises(ValueError, match="not to share memory with dense"):
-        bsrkit.bsr_dense_mm(bsr, d, out=d)
+    expected = reference.bsr_dense_mm(bsr, d)
+    assert_close(bsrkit.bsr_dense_mm(bsr, d, out=d), expected, k=8)
+    buf = torch.randn(8, 16)
+    dense, out = buf[:, 0::2], buf[:, 1::2]
+    expected = reference.bsr_dense_mm(bsr, dense)
+    assert_close(bsrkit.bsr_dense_mm(bsr, dense, out=out), expected, k=8)
+    array = np.random.default_rng(0).standard_normal((9, 8)).astype(np.float32)
+    for alias in (torch.from_numpy, torch.from_dlpack):
+        dense, out = torch.from_numpy(array[:8]), alias(array[1:])  # (rows 1-7 in common)
+        expected = reference.bsr_dense_mm(bsr, dense.clone())
+        assert_close(bsrkit.bsr_dense_mm(bsr, dense, out=out), expected, k=8)
+        assert_close(out, expected, k=8)
 
 
 def test_an_out_with_overlapping_elements_is_refused_on_every_path():
@@ -415,19 +429,21 @@ def test_an_out_with_overlapping_elements_is_refused_on_every_path():
     assert_close(out, reference.bsr_dense_mm(bsr, x), k=8)
 
 
-def test_out_sharing_memory_with_the_blocks_is_refused():
-    """The kernels read the blocks while they write out (torch.mm(a, b, out=a) is right; bsrkit refuses
-    it, as it refuses out on dense's memory)."""
+def test_out_sharing_memory_with_the_blocks_gets_the_product_of_the_blocks_as_they_were():
+    """The kernels read the blocks while they write out: through a temporary (as torch.mm(a, b, out=a))."""
     buf = torch.randn(16 * 16)
     crow, col = torch.tensor([0, 2, 4, 6, 8]), torch.tensor([0, 2, 1, 3, 0, 2, 1, 3])
     bsr = torch.sparse_bsr_tensor(crow, col, buf[:128].view(8, 4, 4), size=(16, 16))
     d = torch.randn(16, 16)
+    kept = buf.clone()
     for call in (
         lambda out: bsrkit.bsr_dense_mm(bsr, d, out=out),
         lambda out: bsrkit.bsr_dense_addmm(torch.zeros(16, 16), bsr, d, out=out),
     ):
-        with pytest.raises(ValueError, match="not to share memory with bsr's values"):
-            call(buf.view(16, 16))
+        buf.copy_(kept)
+        expected = reference.bsr_dense_mm(bsr, d)
+        assert_close(call(buf.view(16, 16)), expected, k=16)
+    buf.copy_(kept)
     # (the transposed product reads its plan's gathered copy of the blocks: out may be anywhere)
     expected = reference.bsr_dense_mm(bsr.to_dense().mT.to_sparse_bsr((4, 4)), d)
     assert_close(bsrkit.bsr_transposed_dense_mm(bsr, d, out=buf.view(16, 16)), expected, k=16)
@@ -467,8 +483,9 @@ def test_out_beside_dense_in_one_buffer_is_accepted():
     ref = reference.bsr_dense_mm(bsr, buf[:8])
     bsrkit.bsr_dense_mm(bsr, buf[:8], out=buf[8:])
     assert_close(buf[8:], ref, k=8)
-    with pytest.raises(ValueError, match="not to share memory with dense"):
-        bsrkit.bsr_dense_mm(bsr, buf[:8], out=buf[7:15])  # one row in common
+    ref = reference.bsr_dense_mm(bsr, buf[:8])
+    bsrkit.bsr_dense_mm(bsr, buf[:8], out=buf[7:15])  # one row in common: through a temporary
+    assert_close(buf[7:15], ref, k=8)
 
 
 def test_bsr_made_in_inference_mode(product_path):
@@ -529,8 +546,8 @@ def test_a_remembered_verdict_lets_no_invalid_call_through(monkeypatch):
     bsrkit.bsr_dense_mm(bsr, x, out=out)
     assert bsrkit.shortcut_info().checked_hits == before.checked_hits + 1  # (the checks were skipped)
     shared = torch.randn(32, 6)  # out and dense on one storage: data, not metadata
-    with pytest.raises(ValueError, match="share memory"):
-        bsrkit.bsr_dense_mm(bsr, shared, out=shared)
+    expected = reference.bsr_dense_mm(bsr, shared)
+    assert_close(bsrkit.bsr_dense_mm(bsr, shared, out=shared), expected, k=8)
     wants_grad = x.clone().requires_grad_()
     with pytest.raises(ValueError, match="out=None"):
         bsrkit.bsr_dense_mm(bsr, wants_grad, out=out)
@@ -729,3 +746,99 @@ def test_the_reference_agrees_with_the_documented_semantics():
     out = reference.scaled_dot_product_attention(q, q, v, mask)
     assert torch.isfinite(out[:2]).all() and torch.isnan(out[2:]).all()
     torch.testing.assert_close(bsrkit.scaled_dot_product_attention(q, q, v, mask), out, equal_nan=True)
+
+
+def test_a_write_through_out_moves_its_version_counter_on_every_path():
+    """The kernels wrote out without moving its counter: a tensor autograd saved and then overwritten gave
+    a wrong gradient silently (torch's out= raises), an inference tensor was written outside inference
+    mode, and caches keyed on the counter (weak_lru_cache's) served a stale value."""
+    bsr = random_bsr((8, 8), (2, 2), 0.6)
+    x = torch.randn(8, 4)
+    data = bsrkit.bsr_scatter_mm_indices_data(bsr, x)
+    acc_blocks, acc_others = torch.randn(2, 2, 2), torch.randn(2, 2, 4)
+    acc_data = ("scatter_mm", torch.tensor([0, 1, 2]), torch.tensor([[0, 1], [1, 0]]))
+    writes = {
+        "mm": lambda out: bsrkit.bsr_dense_mm(bsr, x, out=out),
+        "addmm": lambda out: bsrkit.bsr_dense_addmm(
+            torch.ones(8, 4), bsr, x, left_alpha=torch.ones(8), out=out
+        ),
+        "transposed": lambda out: bsrkit.bsr_transposed_dense_mm(bsr, x, out=out),
+        "scatter, indices data": lambda out: bsrkit.bsr_scatter_mm(bsr, x, data, out=out),
+        "scatter_mm accumulators": lambda out: bsrkit.scatter_mm(
+            acc_blocks, acc_others, acc_data, accumulators=out.view(4, 2, 4)[:2]
+        ),
+    }
+    for name, write in writes.items():
+        for _ in range(2):  # (the second call repeats the first's checks)
+            weight = torch.ones(8, 4, requires_grad=True)
+            saved = torch.zeros(8, 4)
+            y = weight * saved  # (saves `saved`)
+            before = saved._version
+            write(saved)
+            assert saved._version > before, name
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.sum().backward()
+        with torch.inference_mode():
+            frozen = torch.zeros(8, 4)
+        with pytest.raises(ValueError, match="inference tensor"):
+            write(frozen)
+        with torch.inference_mode():
+            write(frozen)  # (inside inference mode: written, as torch writes it)
+        assert frozen.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_half_addmm_rounds_the_sum_once_where_the_product_overflows(product_path, scaled):
+    """A product beyond float16's range that beta * input brings back into it: torch.addmm rounds the sum
+    once. The unscaled path rounded the product to half first (inf). (bfloat16's range is float32's, the
+    accumulator's: no such case.)"""
+    dtype, big = torch.float16, 35000.0
+    a = torch.zeros(2, 4, dtype=dtype)
+    a[0, :2] = 1
+    bsr = a.to_sparse_bsr((1, 2))
+    dense = torch.full((4, 3), big, dtype=dtype)
+    input = torch.full((2, 3), -1.5 * big, dtype=dtype)
+    scales = {"right_alpha": torch.ones(3, dtype=dtype)} if scaled else {}
+    got = product_path.addmm(input, bsr, dense, **scales)
+    expected = torch.addmm(input.double(), a.double(), dense.double()).to(dtype)
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(got, expected)
+
+
+def test_sampled_addmm_refuses_coefficients_beyond_float32_by_name():
+    """alpha = 1e39 became inf in the kernel (NaN entries), beta = 1e39 a raw torch error; as
+    bsr_dense_addmm, both are refused by name."""
+    mask = random_bsr((8, 8), (2, 2), 0.5)
+    m1, m2 = torch.randn(8, 3), torch.randn(3, 8)
+    for name in ("alpha", "beta"):
+        with pytest.raises(ValueError, match=rf"expected \|{name}\| < 3.40282e\+38"):
+            bsrkit.sampled_addmm(mask, m1, m2, **{name: 1e39})
+    got = bsrkit.sampled_addmm(mask.double(), m1.double(), m2.double(), alpha=1e39)  # (float64 holds it)
+    assert_close(
+        got.to_dense(),
+        reference.sampled_addmm(mask.double(), m1.double(), m2.double(), alpha=1e39).to_dense(),
+    )
+
+
+def test_sampled_addmm_refuses_an_out_requiring_grad_before_writing_it():
+    """It wrote out's values, then raised an unrelated error."""
+    mask = random_bsr((8, 8), (2, 2), 0.5)
+    m1, m2 = torch.randn(8, 3), torch.randn(3, 8)
+    values = torch.zeros_like(mask.values()).requires_grad_()
+    out = torch.sparse_bsr_tensor(
+        mask.crow_indices().clone(), mask.col_indices().clone(), values, size=(8, 8)
+    )
+    with pytest.raises(ValueError, match="expected out not to require grad"):
+        bsrkit.sampled_addmm(mask, m1, m2, out=out)
+    assert not values.detach().any()
+
+
+def test_sampled_addmm_takes_a_batched_out_whose_shared_pattern_is_an_expanded_view():
+    """out holding input's pattern as one expanded index tensor (a batch sharing one pattern) took a copy
+    of it, which torch refuses into an expanded tensor."""
+    crow, col = torch.tensor([0, 1, 2, 2, 3]).expand(2, -1), torch.tensor([0, 2, 3]).expand(2, -1)
+    input = torch.sparse_bsr_tensor(crow, col, torch.randn(2, 3, 2, 2), size=(2, 8, 8))
+    out = torch.sparse_bsr_tensor(crow, col, torch.zeros(2, 3, 2, 2), size=(2, 8, 8))
+    m1, m2 = torch.randn(8, 3), torch.randn(3, 8)
+    bsrkit.sampled_addmm(input, m1, m2, out=out)
+    assert_close(out.to_dense(), reference.sampled_addmm(input, m1, m2).to_dense())

@@ -395,27 +395,26 @@ def test_torch_made_indices_data_are_accepted():
         assert_close(bsrkit.bsr_scatter_mm(bsr, other, data), reference.bsr_scatter_mm(bsr, other))
 
 
-def test_out_sharing_memory_with_other_is_refused_on_every_path():
+def test_out_sharing_memory_with_other_gets_the_product_of_other_as_it_was_on_every_path():
     bsr = random_bsr((16, 16), (4, 4), 0.5)
-    other = torch.randn(16, 8)
-    for data in (None, bsrkit.bsr_scatter_mm_indices_data(bsr, other)):
-        with pytest.raises(ValueError, match="not to share memory with other"):
-            bsrkit.bsr_scatter_mm(bsr, other, data, out=other)
+    kept = torch.randn(16, 8)
+    for data in (None, bsrkit.bsr_scatter_mm_indices_data(bsr, kept)):
+        other = kept.clone()
+        assert_close(bsrkit.bsr_scatter_mm(bsr, other, data, out=other), reference.bsr_scatter_mm(bsr, kept))
 
 
 @pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])
-def test_out_on_bsrs_values_is_refused_with_and_without_indices_data(fmt):
-    """out overlapping the blocks was zeroed before they were read (the product all zeros and the BSR's
-    values lost): refused, as on the path without indices data."""
+def test_out_on_bsrs_values_gets_the_product_of_the_blocks_as_they_were(fmt):
+    """out overlapping the blocks was zeroed before they were read (the product all zeros): through a
+    temporary now, with and without indices data."""
     values = torch.randn(4, 4, 4)
+    kept = values.clone()
     bsr = torch.sparse_bsr_tensor(torch.tensor([0, 2, 4]), torch.tensor([0, 1, 0, 1]), values, size=(8, 8))
     other = torch.randn(8, 8)
-    out = values.view(8, 8)
-    before = values.clone()
     for data in (None, bsrkit.bsr_scatter_mm_indices_data(bsr, other, fmt)):
-        with pytest.raises(ValueError, match="not to share memory with bsr's values"):
-            bsrkit.bsr_scatter_mm(bsr, other, data, out=out)
-    assert torch.equal(values, before)
+        values.copy_(kept)
+        expected = reference.bsr_scatter_mm(bsr, other)
+        assert_close(bsrkit.bsr_scatter_mm(bsr, other, data, out=values.view(8, 8)), expected)
 
 
 @pytest.mark.parametrize("fmt", ["bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"])

@@ -117,23 +117,17 @@ def addmm(
     """
     scaled = left is not None or right is not None or not math.isfinite(alpha)
     # Half types with an input: beta * input is added in float32 and the sum rounded once, as torch
-    # (rounded to half first, an input term beyond 65504 was inf where the sum is not).
+    # (rounded to half first, a product or an input term beyond 65504 was inf where the sum is not).
     half_input = out.dtype in (torch.float16, torch.bfloat16) and input is not None and beta != 0
     if unproven and (scaled or half_input or dense.dtype is torch.int8):
         _prove(a)  # (these paths recurse, on no prepared call of a kept operand)
     if dense.dtype is torch.int8:
         return _int8_addmm(op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right)
-    if half_input and not scaled:
-        assert input is not None
-        product = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        addmm(op, backend, None, a, dense, product, batch, 0.0, alpha, meta)
-        total = torch.add(product.float(), input.expand(out.shape).float(), alpha=beta)
-        return out.copy_(total)
-    if scaled:
+    if scaled or half_input:
         # Form the product, then scale it: inf * 0 is NaN wherever the product is 0 (empty rows
         # included), as the formula says (a gemm may scale an operand instead). Half types form it in
-        # float32 (the accumulator's dtype): a product beyond their range that the scales bring back
-        # into it must not be rounded to inf first.
+        # float32 (the accumulator's dtype): a product beyond their range that the scales or the input
+        # bring back into it must not be rounded to inf first.
         if out.dtype in (torch.float16, torch.bfloat16):
             if a is not None:
                 a = a._replace(values=a.values.float())

@@ -28,9 +28,11 @@ from bsrkit.validation import (
     check_max_grid,
     check_meta,
     check_out,
+    check_out_needs_no_grad,
     check_same_device,
     check_same_dtype,
     check_strided,
+    mark_written,
     may_share_memory,
     resolved,
 )
@@ -158,6 +160,19 @@ _ADDMM_DTYPES = (*SUPPORTED_DTYPES, torch.int8)
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def _check_coefficient_range(op: str, dtype: torch.dtype, beta: float, alpha: float) -> None:
+    """Finite coefficients the kernels' scalars cannot hold (float32 for float32 and half products; exact
+    integers for int8's int32 arithmetic, through float64): refused as torch.addmm refuses them, not
+    turned into inf (unlike an infinite one, it would skip the formula's NaN for 0 * inf) or rounded."""
+    limit = {torch.float64: math.inf, torch.int8: 2.0**31}.get(dtype, _FLOAT32_MAX)
+    for name, value in (("beta", beta), ("alpha", alpha)):
+        if math.isfinite(value) and abs(value) >= limit:
+            raise ValueError(
+                f"{op}(): expected |{name}| < {limit:g} for a {dtype} product (the kernels' scalars "
+                f"cannot hold it), got {value!r}"
+            )
+
+
 def _needs_grad(*tensors: Any) -> bool:
     if forward_ad._current_level >= 0:  # (inside a dual level only: a module attribute read otherwise)
         autograd.refuse_tangents(tensors)
@@ -264,10 +279,15 @@ def checked_addmm(
         else:
             out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
     elif may_share_memory(out, dense, None if a is None else a.values):
-        # The kernels read dense and the blocks (where any are read: a's) while writing out: shared memory
-        # would give a silently wrong result.
-        which = _dense_name(op) if may_share_memory(out, dense) else "bsr's values"
-        raise ValueError(f"{op}(): expected out not to share memory with {which}, got overlapping tensors")
+        # The kernels read dense and the blocks (where any are read: a's) while writing out: computed in
+        # a temporary and copied in, as numpy's matmul does, so that the operands are read as they were.
+        result = checked_addmm(
+            op, input, bsr, dense, beta=beta, alpha=alpha, out=None, meta=meta, transpose=transpose,
+            left=left, right=right, operand=operand,
+        )  # fmt: skip
+        return out.copy_(result)
+    else:
+        mark_written(op, "out", out)
     if not unproven:
         return dispatch.addmm(
             op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked
@@ -364,16 +384,7 @@ def _validate_addmm(
     out_dtype = torch.int32 if integer else dense.dtype
     if integer and not (beta.is_integer() and alpha.is_integer()):
         raise ValueError(f"{op}(): expected integer beta and alpha for int8 products, got {beta} and {alpha}")
-    # Finite coefficients the kernels' scalars cannot hold (float32 for float32 and half products; exact
-    # integers for int8's int32 arithmetic, through float64): refused as torch.addmm refuses them, not
-    # turned into inf (unlike an infinite one, it would skip the formula's NaN for 0 * inf) or rounded.
-    limit = {torch.float64: math.inf, torch.int8: 2.0**31}.get(bsr.dtype, _FLOAT32_MAX)
-    for name, value in (("beta", beta), ("alpha", alpha)):
-        if math.isfinite(value) and abs(value) >= limit:
-            raise ValueError(
-                f"{op}(): expected |{name}| < {limit:g} for a {bsr.dtype} product (the kernels' scalars "
-                f"cannot hold it), got {value!r}"
-            )
+    _check_coefficient_range(op, bsr.dtype, beta, alpha)
     if integer and differentiable:  # (only a float scale can require grad here)
         name = "left_alpha" if left is not None and left.requires_grad else "right_alpha"
         raise ValueError(
@@ -490,6 +501,7 @@ def sampled_addmm(
     check_strided(op, "mat1", mat1)
     check_strided(op, "mat2", mat2)
     check_dtype(op, "mat1", mat1)
+    _check_coefficient_range(op, mat1.dtype, beta, alpha)
     for name, t in (("mat1", mat1), ("mat2", mat2)):
         check_same_dtype(op, name, t, ref_name, ref)
         check_same_device(op, name, t, "input", input)
@@ -520,6 +532,7 @@ def sampled_addmm(
             )
         if out.dtype != mat1.dtype:
             raise ArgumentTypeError(f"{op}(): expected out.dtype == {mat1.dtype}, got {out.dtype}")
+        check_out_needs_no_grad(op, "out", out)  # (before anything is written into it)
     differentiable = _needs_grad(input, mat1, mat2)
     if out is not None and differentiable:
         raise ValueError(
@@ -550,7 +563,9 @@ def sampled_addmm(
         crow, col = crow.clone(memory_format=contiguous), col.clone(memory_format=contiguous)
         return torch.sparse_bsr_tensor(crow, col, values, size=(*batch, M, N), check_invariants=False)
     for mine, theirs in ((out.crow_indices(), crow), (out.col_indices(), col)):
-        if mine.data_ptr() != theirs.data_ptr() or mine.stride() != theirs.stride():
-            mine.copy_(theirs)  # torch copies input into out: out takes input's pattern
+        # torch copies input into out: out takes input's pattern (where it holds it already, an index
+        # tensor shared across the batch, an expanded view, cannot take a copy, and needs none)
+        if not torch.equal(mine, theirs):
+            mine.copy_(theirs)
     out.values().copy_(values)
     return out

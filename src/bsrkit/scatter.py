@@ -24,6 +24,7 @@ from bsrkit.validation import (
     check_same_device,
     check_same_dtype,
     check_strided,
+    mark_written,
     may_share_memory,
     resolved,
     type_name,
@@ -205,6 +206,7 @@ def _scatter_mm(
     else:
         # (hand-made tiles may overlap, and each sums into its place: see scatter_mm)
         check_out(op, accumulators, acc_shape, blocks.dtype, blocks.device, "accumulators", distinct=False)
+        mark_written(op, "accumulators", accumulators)
     blocks, others = resolved(blocks), resolved(others)  # (the kernels read memory)
     if accumulators.is_neg():  # (read and written as memory: summed in a copy of its values, put back)
         summed = resolved(accumulators)
@@ -261,20 +263,17 @@ def bsr_scatter_mm(
     check_bsr(op, "bsr", bsr)
     if bsr.ndim != 2:
         raise ValueError(f"{op}(): expected a 2-D bsr (no batch dimensions), got shape {tuple(bsr.shape)}")
+    if indices_data is None:
+        return checked_addmm(op, None, bsr, other, beta=0.0, alpha=1.0, out=out, meta=None)
     if (
         isinstance(out, torch.Tensor)
         and isinstance(other, torch.Tensor)
         and out.layout is other.layout is torch.strided
-        and may_share_memory(out, other)
-    ):  # (out is written while other is read: shared memory would give a silently wrong result)
-        raise ValueError(f"{op}(): expected out not to share memory with other, got overlapping tensors")
-    if indices_data is None:  # (checked_addmm refuses an out on the blocks itself)
-        return checked_addmm(op, None, bsr, other, beta=0.0, alpha=1.0, out=out, meta=None)
-    if isinstance(out, torch.Tensor) and out.layout is torch.strided and may_share_memory(out, bsr.values()):
-        # (zeroed, then accumulated into, while the blocks are read)
-        raise ValueError(
-            f"{op}(): expected out not to share memory with bsr's values, got overlapping tensors"
-        )
+        and may_share_memory(out, other, bsr.values())
+    ):  # (out is zeroed, then accumulated into, while other and the blocks are read: through a temporary)
+        result = bsr_scatter_mm(bsr, other, indices_data)
+        check_out(op, out, result.shape, result.dtype, result.device)
+        return out.copy_(result)
     _check_no_grad(op, bsr=bsr, other=other)
     check_strided(op, "other", other)
     check_same_dtype(op, "other", other, "bsr", bsr)
@@ -291,6 +290,7 @@ def bsr_scatter_mm(
         check_out(op, out, out_shape, bsr.dtype, bsr.device)
         if out.is_neg():  # (the kernels write memory: the product goes through copy_, which negates)
             return out.copy_(bsr_scatter_mm(bsr, other, indices_data))
+        mark_written(op, "out", out)
     if bsr._nnz() == 0 or out.numel() == 0:
         return out.zero_()
     indices_data = _as_tuple(indices_data)

@@ -29,6 +29,7 @@ __all__ = [
     "check_meta",
     "check_operand_dtypes",
     "check_out",
+    "check_out_needs_no_grad",
     "check_same_device",
     "check_same_dtype",
     "check_scalar",
@@ -36,6 +37,7 @@ __all__ = [
     "check_strided",
     "indices_data_defect",
     "is_density",
+    "mark_written",
     "may_share_memory",
     "pattern_defect",
     "resolved",
@@ -159,11 +161,7 @@ def check_out(
     refuses it too); under grad mode, one that does not require grad (as torch's ``out=``: a write into it
     is not differentiable)."""
     check_strided(op, name, out, min_ndim=0)
-    if out.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            f"{op}(): expected {name} not to require grad (out= is not differentiable; torch refuses it "
-            "too), got one that does: pass a tensor without requires_grad, or call under torch.no_grad()"
-        )
+    check_out_needs_no_grad(op, name, out)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{op}(): expected {name}.shape == {tuple(shape)}, got {tuple(out.shape)}")
     if distinct and torch._debug_has_internal_overlap(out) == 1:
@@ -175,6 +173,30 @@ def check_out(
         raise ArgumentTypeError(f"{op}(): expected {name}.dtype == {dtype}, got {out.dtype}")
     if out.device != device:
         raise ValueError(f"{op}(): expected {name}.device == {device}, got {out.device}")
+
+
+def check_out_needs_no_grad(op: str, name: str, out: torch.Tensor) -> None:
+    """Under grad mode, ``out`` (dense or sparse) must not require grad, as torch's ``out=``: a write into
+    it is not differentiable."""
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{op}(): expected {name} not to require grad (out= is not differentiable; torch refuses it "
+            "too), got one that does: pass a tensor without requires_grad, or call under torch.no_grad()"
+        )
+
+
+def mark_written(op: str, name: str, out: torch.Tensor) -> None:
+    """``out`` is about to be written in place by a kernel (not by a torch op): refuse an inference tensor
+    outside inference mode (torch refuses to write one there), and move its version counter, as torch's
+    in-place ops do, so that autograd (a tensor saved for backward, then overwritten) and every cache
+    keyed on the counter see the write."""
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            f"{op}(): expected {name} not to be an inference tensor outside torch.inference_mode() (an "
+            "in-place write into one is refused there, as torch refuses it), got one: write into a normal "
+            "tensor, or call inside torch.inference_mode()"
+        )
+    torch._C._increment_version((out,))
 
 
 def check_scalar(op: str, name: str, value: Any) -> float:
@@ -254,21 +276,33 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def may_share_memory(a: torch.Tensor, *others: torch.Tensor | None) -> int:
-    """How many of ``others`` (None: none) the tensor ``a`` may share memory with, by the byte ranges they
-    span on one storage (bounds only, like ``numpy.may_share_memory``: interleaved views that touch no
-    common element count as sharing); ``a``'s range is found once for all (a product's out, on every
-    call)."""
+    """How many of ``others`` (None: none) the tensor ``a`` may share memory with, by the absolute byte
+    ranges they span (bounds only, like ``numpy.may_share_memory``: interleaved views that touch no
+    common element count as sharing). Tensors on different storage objects that alias one memory
+    (``torch.from_numpy``, ``from_dlpack`` or ``frombuffer`` views of one buffer) count too. A first test
+    on the storages' ranges keeps the common case (apart) to a few reads: a product's out, every call."""
     if not a.numel():
         return 0
-    storage, span = a.untyped_storage().data_ptr(), None
+    storage = a.untyped_storage()
+    low = storage.data_ptr()
+    high, span = low + storage.nbytes(), None
     shared = 0
     for b in others:
-        if b is None or not b.numel() or b.untyped_storage().data_ptr() != storage:
+        if b is None or not b.numel():
             continue
-        a_start, a_bytes = span = span or byte_span(a)
-        b_start, b_bytes = byte_span(b)
+        other = b.untyped_storage()
+        start = other.data_ptr()
+        if start >= high or low >= start + other.nbytes() or b.device != a.device:
+            continue
+        a_start, a_bytes = span = span or _absolute_span(a)
+        b_start, b_bytes = _absolute_span(b)
         shared += a_start < b_start + b_bytes and b_start < a_start + a_bytes
     return shared
+
+
+def _absolute_span(t: torch.Tensor) -> tuple[int, int]:
+    """(address of the first byte, number of bytes) that ``t``'s elements span."""
+    return t.data_ptr(), byte_span(t)[1]
 
 
 def check_meta(op: str, meta: Any) -> None:
