@@ -276,9 +276,9 @@ def test_tensor_parallel_on_one_rank_is_the_layer(world_of_one):
     assert gathered.values.requires_grad and gathered.bias.requires_grad
     tp_model[2].values.requires_grad_(False)  # (a frozen layer gathers frozen)
     assert not tp_model[2].to_bsr_linear().values.requires_grad
-    with pytest.raises(ValueError, match=r"forward\(\): expected x of shape \(\*, 32\), got \(2, 31\)"):
+    with pytest.raises(ValueError, match=r"forward\(\): expected input of shape \(\*, 32\), got \(2, 31\)"):
         tp_model(torch.randn(2, 31))
-    with pytest.raises(ValueError, match=r"forward\(\): expected x of shape \(\*, 32\), got \(\)"):
+    with pytest.raises(ValueError, match=r"forward\(\): expected input of shape \(\*, 32\), got \(\)"):
         tp_model(torch.tensor(1.0))
     with pytest.raises(TypeError, match="expected a BSRLinear, got Linear"):
         BlockRowParallelBSRLinear(torch.nn.Linear(4, 4))  # type: ignore[arg-type]
@@ -328,12 +328,12 @@ def test_distributed_is_loaded_lazily():
 def test_tensor_parallel_names_bad_inputs(world_of_one):
     tp = BlockRowParallelBSRLinear(BSRLinear(16, 16, 4, density=0.5))
     for bad, error, match in (
-        (None, TypeError, "expected x to be a strided \\(dense\\) torch.Tensor, got NoneType"),
+        (None, TypeError, "expected input to be a strided \\(dense\\) torch.Tensor, got NoneType"),
         (torch.randn(2, 16).to_sparse(), TypeError, "got torch.sparse_coo"),
         (
             torch.randn(2, 16, dtype=torch.float64),
             ValueError,
-            "BlockRowParallelBSRLinear.forward\\(\\): expected x.dtype",
+            "BlockRowParallelBSRLinear.forward\\(\\): expected input.dtype",
         ),
     ):
         with pytest.raises(error, match=match):

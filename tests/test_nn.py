@@ -128,7 +128,7 @@ def test_bad_arguments():
         BSRLinear(10, 8, 4)
     with pytest.raises(ValueError, match="density"):
         BSRLinear(8, 8, 4, density=2)
-    with pytest.raises(ValueError, match=r"expected x of shape \(\*, 8\), got \(2, 7\)"):
+    with pytest.raises(ValueError, match=r"expected input of shape \(\*, 8\), got \(2, 7\)"):
         BSRLinear(8, 8, 4)(torch.randn(2, 7))
 
 
@@ -158,7 +158,7 @@ def test_an_integer_dtype_is_refused_by_name():
 
 
 def test_a_zero_dim_input_is_a_shape_error():
-    with pytest.raises(ValueError, match=r"expected x of shape \(\*, 8\), got \(\)"):
+    with pytest.raises(ValueError, match=r"expected input of shape \(\*, 8\), got \(\)"):
         BSRLinear(8, 8, 4)(torch.tensor(1.0))
 
 
@@ -352,6 +352,23 @@ def test_resuming_from_a_checkpoint_of_another_nnz_keeps_training_the_values():
     steps(trained, opt, 2)
     steps(resumed, opt2, 2)
     torch.testing.assert_close(resumed.values, trained.values, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_load_of_another_nnz_trains_while_an_earlier_graph_lives(dtype):
+    """A graph of an earlier step (its loss still referenced, as in any loop) holds the values'
+    gradient accumulator, made for the old shape: the next backward after a load of another nnz failed
+    on it ("invalid gradient ... expected shape compatible with")."""
+    layer, other = _layer(0.5, 0).to(dtype), _layer(0.25, 1).to(dtype)
+    x = torch.randn(3, 64, dtype=dtype)
+    loss = layer(x).square().sum()
+    loss.backward()
+    layer.load_state_dict(other.state_dict())
+    layer.values.grad = None
+    loss = layer(x).square().sum()
+    loss.backward()
+    other(x).square().sum().backward()
+    torch.testing.assert_close(layer.values.grad, other.values.grad)
 
 
 @pytest.mark.parametrize(
@@ -680,11 +697,11 @@ def test_tied_layers_load_a_checkpoint_and_stay_tied(density):
 @pytest.mark.parametrize(
     "x, error, match",
     [
-        ([[1.0] * 64], TypeError, "expected x to be a torch.Tensor, got list"),
-        (None, TypeError, "expected x to be a torch.Tensor, got NoneType"),
-        (np.ones((2, 64), np.float32), TypeError, "expected x to be a torch.Tensor, got ndarray"),
-        (torch.eye(64)[:2].to_sparse_csr(), TypeError, "expected x to be a strided"),
-        (torch.eye(64)[:2].to_sparse(), TypeError, "expected x to be a strided"),
+        ([[1.0] * 64], TypeError, "expected input to be a torch.Tensor, got list"),
+        (None, TypeError, "expected input to be a torch.Tensor, got NoneType"),
+        (np.ones((2, 64), np.float32), TypeError, "expected input to be a torch.Tensor, got ndarray"),
+        (torch.eye(64)[:2].to_sparse_csr(), TypeError, "expected input to be a strided"),
+        (torch.eye(64)[:2].to_sparse(), TypeError, "expected input to be a strided"),
     ],
 )
 def test_forward_names_an_input_that_is_not_a_dense_tensor(x, error, match):
@@ -938,7 +955,7 @@ def test_a_layer_first_called_under_inference_mode_caches_its_plans(monkeypatch)
 def test_a_layer_on_another_device_than_its_input_is_refused_by_name(grad):
     layer = BSRLinear(16, 16, 4, density=0.5, device="meta")
     x = torch.randn(2, 16, requires_grad=grad)
-    with pytest.raises(ValueError, match=r"BSRLinear.forward\(\): expected x.device == meta"):
+    with pytest.raises(ValueError, match=r"BSRLinear.forward\(\): expected input.device == meta"):
         layer(x)
 
 
@@ -993,3 +1010,21 @@ def test_pattern_written_between_forward_and_backward_is_refused():
         else:
             y.square().sum().backward()
         layer.col_indices.numpy()[:] = col.numpy()
+
+
+def test_forward_takes_nn_linear_s_argument_name_and_the_dense_gradient_sees_it():
+    """A model calling ``self.proj(input=h)`` broke on the swap (``forward(x)``), and RigL's dense
+    gradient record read positional arguments only."""
+    from bsrkit.regrow import DenseGradient
+
+    layer = BSRLinear(16, 8, 4, density=0.5, dtype=torch.float64)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    torch.testing.assert_close(layer(input=x), layer(x))
+    record = DenseGradient(layer)
+    record.armed = True
+    grad = torch.randn(3, 8, dtype=torch.float64)
+    layer(input=x).backward(grad)
+    total = record.take()
+    assert total is not None
+    torch.testing.assert_close(total, grad.mT @ x)
+    record.remove()

@@ -213,3 +213,19 @@ def test_steps_must_be_ints_and_a_loaded_mask_bool():
     state["masks"]["0"] = torch.zeros(2, 2)  # (cast with bool(), every block would be kept)
     with pytest.raises(ValueError, match="expected a bool mask for '0', got torch.float32"):
         pruner.load_state_dict(state)
+
+
+def test_the_default_filter_s_conv1d_layers_are_skipped_and_named():
+    """The default filter selects transformers' Conv1D too (sparsify_ converts them); the pruner refused
+    them, naming a filter_fn the caller never passed, so no GPT-2 could be pruned without one."""
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), conv1d(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = {"blocksize": 4, "target_density": 0.5, "start_step": 0, "end_step": 2, "every": 1}
+    pruner = GradualPruner(model, opt, **kwargs)
+    assert list(pruner.masks()) == ["0"]
+    with pytest.raises(ValueError, match="'2', a Conv1D, not an nn.Linear"):
+        GradualPruner(model, opt, filter_fn=lambda m, fqn: fqn != "1", **kwargs)
+    only_conv1d = nn.Sequential(conv1d(8, 8))
+    with pytest.raises(ValueError, match="1 transformers Conv1D layers .* sparsify_ converts them"):
+        GradualPruner(only_conv1d, torch.optim.SGD(only_conv1d.parameters(), lr=0.1), **kwargs)

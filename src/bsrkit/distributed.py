@@ -256,20 +256,21 @@ class BlockRowParallelBSRLinear(nn.Module):
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = input  # (nn.Linear's argument name, as BSRLinear's)
         op = "BlockRowParallelBSRLinear.forward"
         if not isinstance(x, torch.Tensor) or x.layout is not torch.strided:
             got = x.layout if isinstance(x, torch.Tensor) else type_name(x)
-            raise ArgumentTypeError(f"{op}(): expected x to be a strided (dense) torch.Tensor, got {got}")
+            raise ArgumentTypeError(f"{op}(): expected input to be a strided (dense) torch.Tensor, got {got}")
         if not x.ndim or x.shape[-1] != self.in_features:
             raise ValueError(
-                f"BlockRowParallelBSRLinear.forward(): expected x of shape (*, {self.in_features}), "
+                f"BlockRowParallelBSRLinear.forward(): expected input of shape (*, {self.in_features}), "
                 f"got {tuple(x.shape)}"
             )
         lead = x.shape[:-1]
         x, values, bias = autocast_operands(x, self.values, self.bias)  # (as BSRLinear's)
         if x.dtype is not values.dtype:
-            check_operand_dtypes(op, "x", x, "values", values)
+            check_operand_dtypes(op, "input", x, "values", values)
         x2 = _ReplicatedInput.apply(x.reshape(-1, self.in_features), self.group)
         # y_r = x W_r^T (row-major, as BSRLinear's): its transpose's rows are this rank's output features,
         # gathered along the first dimension.

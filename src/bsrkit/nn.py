@@ -196,7 +196,8 @@ class BSRLinear(nn.Module):
         """The weight as a dense ``(out_features, in_features)`` tensor."""
         return self.to_bsr().detach().to_dense()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        x = input  # (nn.Linear's argument name: a call by keyword, proj(input=h), works on the swap)
         try:
             bad = not x.ndim or x.shape[-1] != self.in_features or x.layout is not torch.strided
         except AttributeError:  # (not a tensor: checked below)
@@ -215,7 +216,7 @@ class BSRLinear(nn.Module):
         assert values is not None
         x, values, bias = autocast_operands(x, values, bias)  # (as nn.Linear under torch.autocast)
         if x.dtype is not values.dtype or (bias is not None and bias.dtype is not values.dtype):
-            check_operand_dtypes("BSRLinear.forward", "x", x, "values", values)
+            check_operand_dtypes("BSRLinear.forward", "input", x, "values", values)
             if bias is not None:  # (as F.linear: one dtype for the three)
                 check_operand_dtypes("BSRLinear.forward", "bias", bias, "values", values)
         crow, col = buffers.get("crow_indices"), buffers.get("col_indices")
@@ -224,7 +225,7 @@ class BSRLinear(nn.Module):
         assert crow is not None and col is not None
         M, K = self.out_features, self.in_features
         if x.device != values.device:  # (before anything reads the pattern: a layer on meta has none)
-            check_same_device("BSRLinear.forward", "x", x, "values", values)
+            check_same_device("BSRLinear.forward", "input", x, "values", values)
         if _needs_grad(x, values, bias):
             y = custom_ops.differentiable_linear(crow, col, values, dispatch.rows(x), bias, M, K, False)
             return y if x.ndim == 2 else y.reshape(*x.shape[:-1], M)
@@ -238,10 +239,10 @@ class BSRLinear(nn.Module):
         does not end in ``in_features``)."""
         op = "BSRLinear.forward()"
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{op}: expected x to be a torch.Tensor, got {type_name(x)}")
+            raise TypeError(f"{op}: expected input to be a torch.Tensor, got {type_name(x)}")
         if x.layout is not torch.strided:
-            raise TypeError(f"{op}: expected x to be a strided (dense) tensor, got layout {x.layout}")
-        raise ValueError(f"{op}: expected x of shape (*, {self.in_features}), got {tuple(x.shape)}")
+            raise TypeError(f"{op}: expected input to be a strided (dense) tensor, got layout {x.layout}")
+        raise ValueError(f"{op}: expected input of shape (*, {self.in_features}), got {tuple(x.shape)}")
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -384,7 +385,14 @@ class BSRLinear(nn.Module):
         values, col = self.values, self.col_indices
         with torch.no_grad():
             if values.shape[0] != nnz:
-                values.data = values.new_empty((nnz, *values.shape[1:]))
+                # A graph of an earlier forward may hold values' gradient accumulator, made for the old
+                # shape, which autograd reuses while it lives (the next backward failed on its shape):
+                # set_data drops it only on a change of type, so the data passes through another dtype.
+                shape, dtype = (nnz, *values.shape[1:]), values.dtype
+                values.data = values.new_empty(
+                    0, dtype=torch.float64 if dtype is torch.float32 else torch.float32
+                )
+                values.data = values.new_empty(shape, dtype=dtype)
                 values.grad = None
             if col.shape[0] != nnz:
                 _rebind(col, col.new_empty(nnz))

@@ -123,10 +123,11 @@ class MaskedGradient(GradientRecord):
 class GradualPruner:
     """Gradual block pruning of ``model``'s linear layers while ``optimizer`` trains it (module docstring).
 
-    ``filter_fn(module, fqn)`` selects the layers (default: :func:`bsrkit.sparsify.default_filter`, every
-    ``nn.Linear`` whose shape the blocksize divides except the output head); a module used at several
-    places is swapped at all of them, and two selected layers holding one weight (tied) raise
-    ``ValueError``. Call :meth:`step` after each
+    ``filter_fn(module, fqn)`` selects the layers (default: :func:`bsrkit.sparsify.default_filter`'s
+    ``nn.Linear`` layers, every one whose shape the blocksize divides except the output head; its
+    transformers ``Conv1D`` layers are skipped, and refused when a ``filter_fn`` selects them); a module
+    used at several places is swapped at all of them, and two selected layers holding one weight (tied)
+    raise ``ValueError``. Call :meth:`step` after each
     ``optimizer.step()``, before the gradients are cleared (the movement criterion and RigL read them);
     the density changes at the steps ``start_step + k * every`` up to ``end_step`` (and at
     ``end_step``). Without ``regrow`` a layer never regains a removed block; with
@@ -205,11 +206,15 @@ class GradualPruner:
         holders = foreign_holders(model)
         self._layers: list[_Layer] = []
         weights: dict[int, str] = {}
+        skipped: list[str] = []
         for module, fqns in module_places(model).values():
             fqn = fqns[0]
             if not selected(module, fqn):
                 continue
             if not isinstance(module, nn.Linear):  # (no Conv1D either: the pruner moves nn.Linear weights)
+                if filter_fn is None:  # (the default's Conv1D, which sparsify_ converts: skipped here)
+                    skipped.append(fqn)
+                    continue
                 raise ValueError(f"{op}: filter_fn selected {fqn!r}, a {type_name(module)}, not an nn.Linear")
             out_f, in_f = check_selected(op, model, module, fqn, (bo, bi), holders)
             if not module.weight.requires_grad:  # (before any hook: nothing is left on the model)
@@ -244,7 +249,15 @@ class GradualPruner:
                 )
             )
         if not self._layers:
-            raise ValueError(f"{op}: no layer selected (filter_fn, or no nn.Linear the blocksize divides)")
+            conv = (
+                f"; {len(skipped)} transformers Conv1D layers (GPT-2's, e.g. {skipped[0]!r}) are not pruned "
+                "gradually: sparsify_ converts them once"
+                if skipped
+                else ""
+            )
+            raise ValueError(
+                f"{op}: no layer selected (filter_fn, or no nn.Linear the blocksize divides){conv}"
+            )
         muon = getattr(torch.optim, "Muon", None)
         if muon is not None and isinstance(optimizer, muon) and any(x.sparse_below > 0 for x in self._layers):
             raise ValueError(

@@ -120,11 +120,19 @@ class DenseGradient(GradientRecord):
     over the backward passes run while :attr:`armed` (module docstring)."""
 
     def __init__(self, module: nn.Module) -> None:
-        super().__init__(module.register_forward_hook(self._forward))
+        super().__init__(module.register_forward_hook(self._forward, with_kwargs=True))
 
-    def _forward(self, module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        if self.armed and args and isinstance(output, torch.Tensor) and output.requires_grad:
-            x = args[0].detach()
+    def _forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
+    ) -> None:
+        x = args[0] if args else kwargs.get("input")  # (nn.Linear's argument, by position or keyword)
+        if (
+            self.armed
+            and isinstance(x, torch.Tensor)
+            and isinstance(output, torch.Tensor)
+            and output.requires_grad
+        ):
+            x = x.detach()
             output.register_hook(functools.partial(self._backward, x.reshape(-1, x.shape[-1])))
 
     def _backward(self, x: torch.Tensor, grad: torch.Tensor) -> None:
