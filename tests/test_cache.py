@@ -1,3 +1,4 @@
+import collections
 import functools
 import gc
 import threading
@@ -519,6 +520,32 @@ def test_a_view_of_an_argument_inside_an_object_is_refused_and_its_bytes_counted
     assert storage() is None and owning.cache_info().currsize == 0
 
 
+def test_a_value_aliasing_its_argument_through_another_storage_or_container_is_refused():
+    """An alias with a storage object of its own (from_dlpack, frombuffer, numpy's from_dlpack) and views
+    inside a deque, a dict's keys or a memoryview kept the argument's memory alive: 50 such entries of
+    1 MiB each outlived their arguments."""
+    makers = {
+        "from_dlpack": lambda x: torch.from_dlpack(x),
+        "frombuffer": lambda x: torch.frombuffer(memoryview(x.numpy()), dtype=torch.float32),
+        "numpy from_dlpack": lambda x: np.from_dlpack(x)[1:],
+        "deque": lambda x: collections.deque([x[:2]]),
+        "dict key": lambda x: {x[:2]: 1},
+        "memoryview": lambda x: memoryview(x.numpy()),
+    }
+    for name, make in makers.items():
+        cached = weak_lru_cache(maxsize=None)(make)
+        with pytest.raises(ValueError, match="shares memory with one of its tensor arguments"):
+            cached(torch.ones(1000))
+        assert cached.cache_info().currsize == 0, name
+    owning = weak_lru_cache(maxsize=None)(lambda x: collections.deque([x.numpy().copy()]))
+    x = torch.ones(1000)
+    owning(x)
+    storage = weakref.ref(x.untyped_storage())
+    del x
+    gc.collect()
+    assert storage() is None and owning.cache_info().currsize == 0
+
+
 def test_a_value_capturing_its_argument_in_a_function_is_refused():
     """A closure, a default, a bound method or a functools.partial holding the argument would pin its
     memory: the entry could never die (and the memory never be freed)."""
@@ -706,3 +733,23 @@ def test_cache_clear_empties_the_attention_caches_too():
     bsrkit.cache_clear()
     for fn in (mask_bias._cached, attention._expanded_pattern, plans._plan):
         assert fn.cache_info().currsize == 0 and fn.cache_info().misses == 0
+
+
+def test_a_dead_entry_s_key_leaves_the_table_at_the_next_call_as_documented():
+    """The value goes with the tensor's memory at once; the key, which holds the call's other arguments
+    (a method's ``self``), at the next call, ``cache_info()`` or ``cache_clear()``."""
+
+    class Model:
+        @weak_lru_cache(maxsize=None)
+        def scaled(self, x):
+            return x * 2
+
+    model, x = Model(), torch.randn(5)
+    value = weakref.ref(model.scaled(x))
+    owner = weakref.ref(model)
+    del model, x
+    gc.collect()
+    assert value() is None and owner() is not None  # (the key still holds self)
+    assert Model.scaled.cache_info().currsize == 0
+    gc.collect()
+    assert owner() is None

@@ -9,7 +9,8 @@ the tensor it was computed from is gone. :func:`weak_lru_cache` fixes both:
   tensor rebuilt every step from the same index tensors);
 * an entry lives as long as the memory its keys name (the storages, see :mod:`bsrkit.keys`), not as long
   as one Python wrapper: when the last tensor on that memory dies, the entry's value is released at once,
-  by reference counting alone, and the entry leaves the table;
+  by reference counting alone; the entry itself (its key, which holds the call's other arguments) leaves
+  the table at the next call of the function or of its ``cache_info()``, ``cache_clear()``;
 * an in-place change of a tensor argument through it (its version counter moved) is a miss, and the
   entry is recomputed and replaced; with ``verify_contents=True`` so is any change of the data, whatever
   wrote it (a hit compares a copy: see :mod:`bsrkit.freshness` and :func:`weak_lru_cache`);
@@ -86,10 +87,13 @@ def _value_arrays(value: Any) -> list[Any]:
         seen.add(id(v))
         if isinstance(v, (torch.Tensor, np.ndarray, torch.UntypedStorage, bytes, bytearray)):
             found.append(v)
-        elif isinstance(v, (tuple, list)):
+        elif isinstance(v, (tuple, list, deque)):
             stack.extend(v)
         elif isinstance(v, dict):
+            stack.extend(v.keys())
             stack.extend(v.values())
+        elif isinstance(v, memoryview):  # (what it exposes: a numpy array of a tensor, bytes)
+            stack.append(v.obj)
         elif isinstance(v, (set, frozenset)):
             stack.extend(v)
         elif isinstance(v, types.FunctionType):  # what it captured, not its module's globals
@@ -176,11 +180,36 @@ def _memory_of(a: Any) -> list[Any]:
 
 
 def _pins(arrays: list[Any], anchors: list[Any]) -> Any:
-    """The value array that keeps the memory of a key alive (shares one of its storages), if any."""
+    """The value array that keeps the memory of a key alive, if any: one that holds one of its storages,
+    or views memory inside one (an alias with a storage object of its own: ``torch.from_dlpack``,
+    ``torch.frombuffer``, which hold the argument's memory through their deleters)."""
     ids = {id(a) for a in anchors}
+    spans = [span for a in anchors if (span := _address_span(a)) is not None]
     for a in arrays:
         if any(id(m) in ids for m in _memory_of(a)):
             return a
+        span = _address_span(a)
+        if span is not None and any(
+            device == span[0] and low < span[2] and span[1] < high for device, low, high in spans
+        ):
+            return a
+    return None
+
+
+def _address_span(a: Any) -> tuple[str, int, int] | None:
+    """(device, first address, end address) of the memory ``a`` views (a strided tensor: its storage's),
+    or None where that is not memory (meta, sparse, empty)."""
+    if isinstance(a, np.ndarray):
+        if not a.nbytes:
+            return None
+        low, high = np.lib.array_utils.byte_bounds(a)
+        return "cpu", low, high
+    if isinstance(a, torch.Tensor):
+        if a.layout is not torch.strided or a.device.type == "meta":
+            return None
+        a = a.untyped_storage()
+    if isinstance(a, torch.UntypedStorage) and a.device.type != "meta" and a.nbytes():
+        return str(a.device), a.data_ptr(), a.data_ptr() + a.nbytes()
     return None
 
 
@@ -435,9 +464,9 @@ class _CacheState:
             )
             raise ValueError(
                 f"{self.func.__qualname__}(): the returned value shares memory with one of its tensor "
-                f"arguments ({what}): a view of it, the tensor itself, or its storage. Caching it would "
-                "keep that memory alive forever, so the entry could never die. Return data derived from "
-                "the argument (e.g. a clone) instead."
+                f"arguments ({what}): a view of it, the tensor itself, its storage, or an alias of its "
+                "memory. Caching it would keep that memory alive forever, so the entry could never die. "
+                "Return data derived from the argument (e.g. a clone) instead."
             )
         nbytes = _nbytes(arrays)
         if self.maxbytes is not None and nbytes > self.maxbytes:
@@ -576,7 +605,9 @@ def weak_lru_cache(
     A tensor argument is keyed by :class:`TensorKey` (memory identity: storage, offset, shape, strides,
     dtype; for a sparse compressed tensor, those of its indices). Its entry lives while that memory is in
     use by any tensor, so views re-created on each call and sparse tensors rebuilt from the same indices
-    hit; it is dropped, and its value released, as soon as the last tensor on that memory dies.
+    hit; its value is released as soon as the last tensor on that memory dies, and the entry (with its
+    key, which holds the other arguments: a method's ``self``) leaves the table at the next call of the
+    function, ``cache_info()`` or ``cache_clear()`` (a weakref callback cannot take the table's lock).
 
     A caller that has built the :class:`TensorKey` of a live tensor may pass the key in the tensor's
     place (the function then receives the key, ``key.obj`` the tensor; with ``verify_contents`` the copy).
@@ -586,8 +617,10 @@ def weak_lru_cache(
     run the function once; the others wait and count as hits; an ``Exception`` reaches every waiter and
     nothing is cached (after a ``KeyboardInterrupt`` in the running call, a waiter computes the value
     itself). A value that shares memory with one of its tensor arguments (the tensor, a view of it, its
-    storage) is refused with a ``ValueError``: it would keep that memory, hence the entry, alive forever;
-    so is one that carries an autograd graph (a tensor with a ``grad_fn``), whose saved tensors would.
+    storage, an alias of its memory such as ``torch.from_dlpack``'s; inside tuples, lists, deques,
+    dicts, sets and objects' attributes) is refused with a ``ValueError``: it would keep that memory,
+    hence the entry, alive forever; so is one that carries an autograd graph (a tensor with a
+    ``grad_fn``), whose saved tensors would.
     Scalar arguments are keyed with their type (``2``, ``2.0`` and ``True`` are three keys; so are
     ``0.0`` and ``-0.0``).
     """

@@ -64,8 +64,11 @@ def bsr_dense_mm(
     Only stored blocks contribute: :math:`\mathrm{out}_{iM_s..,:} = \sum_{j \in \mathrm{row}\ i}
     V_{ij} \, \mathrm{dense}_{jK_s..,:}`. Any block shape, batch broadcasting, any strides of ``dense``
     and ``out``; float16/bfloat16 accumulate in float32. ``out`` (shape ``(*batch, M, N)``, dtype of
-    ``dense``) is written in place and returned. ``meta`` overrides backend parameters (CPU: ``panel``,
-    ``nthreads``; Triton: ``BLOCK_M``, ``BLOCK_K``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
+    ``dense``) is written in place and returned (its version counter moves, as a torch op's out's); one
+    that shares memory with ``dense`` or the blocks gets the product through a temporary, as numpy's
+    matmul gives it: the operands as they were before the call. ``meta`` overrides backend parameters
+    (CPU: ``panel``, ``nthreads``; Triton: ``BLOCK_M``, ``BLOCK_K``, ``BLOCK_N``, ``num_warps``,
+    ``num_stages``).
 
     ``skip_checks`` and ``max_grid`` are accepted as torch's are. Here the checks always run (they cost
     microseconds and are what keeps a malformed tensor from touching memory outside its operands), and
