@@ -842,3 +842,20 @@ def test_sampled_addmm_takes_a_batched_out_whose_shared_pattern_is_an_expanded_v
     m1, m2 = torch.randn(8, 3), torch.randn(3, 8)
     bsrkit.sampled_addmm(input, m1, m2, out=out)
     assert_close(out.to_dense(), reference.sampled_addmm(input, m1, m2).to_dense())
+
+
+def test_coefficients_take_numpy_s_bool_and_name_an_integer_beyond_float64():
+    """np.True_ was refused (torch.addmm takes it, as Python's True); 10**400 escaped as a bare
+    OverflowError naming neither the op nor the argument."""
+    bsr = random_bsr((4, 4), (2, 2), 0.5)
+    x, input = torch.randn(4, 3), torch.randn(4, 3)
+    assert_close(
+        bsrkit.bsr_dense_addmm(input, bsr, x, alpha=np.True_, beta=np.False_), reference.bsr_dense_mm(bsr, x)
+    )
+    for call in (
+        lambda **kw: bsrkit.bsr_dense_addmm(input, bsr, x, **kw),
+        lambda **kw: bsrkit.sampled_addmm(bsr, x, x.mT, **kw),
+    ):
+        for name in ("alpha", "beta"):
+            with pytest.raises(ValueError, match=f"expected {name} within float64's range"):
+                call(**{name: 10**400})

@@ -13,6 +13,7 @@ import builtins
 import numbers
 from typing import Any, TypeGuard
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -211,6 +212,8 @@ def check_coefficient(op: str, name: str, value: Any) -> float:
     a bool as 0 or 1) or a 0-d real tensor that does not require grad (its gradient would be dropped), as
     a float."""
     if type(value) is float or type(value) is int:
+        return _as_float(op, name, value)
+    if isinstance(value, np.bool_):  # (numpy's bool is no numbers.Real; torch.addmm takes it, as Python's)
         return float(value)
     if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_complex():
         if value.requires_grad:
@@ -223,7 +226,16 @@ def check_coefficient(op: str, name: str, value: Any) -> float:
         raise ArgumentTypeError(
             f"{op}(): expected {name} to be a real number or a 0-d tensor, got {type_name(value)}"
         )
-    return float(value)
+    return _as_float(op, name, value)
+
+
+def _as_float(op: str, name: str, value: Any) -> float:
+    """``float(value)``; an integer beyond float64's range is a ValueError naming the argument."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{op}(): expected {name} within float64's range, got an integer of "
+                         f"{int(value).bit_length()} bits") from None  # fmt: skip
 
 
 def _is_int(v: Any) -> bool:
