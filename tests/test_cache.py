@@ -443,7 +443,7 @@ def test_maxbytes_weighs_a_listed_footprint():
 def test_plan_cache_nbytes_counts_a_patterns_indices_and_the_plans_built_later():
     import bsrkit
     from bsrkit import plans
-    from bsrkit.cache import _nbytes, _value_arrays
+    from bsrkit.cached_values import nbytes_of, value_arrays
 
     plans.cache_clear()
     crow, col = torch.tensor([0, 2, 3, 3]), torch.tensor([0, 2, 1])
@@ -459,7 +459,7 @@ def test_plan_cache_nbytes_counts_a_patterns_indices_and_the_plans_built_later()
     state = plans._plan._cache_state
     info = plans.cache_info()
     held = [e.cell[0] for e in state.entries.values()]
-    assert info.nbytes == sum(_nbytes(_value_arrays(v)) for v in held) > first
+    assert info.nbytes == sum(nbytes_of(value_arrays(v)) for v in held) > first
     del b, bt, crow, col, values, x
     gc.collect()
     assert plans.cache_info().nbytes == 0

@@ -23,7 +23,7 @@ STRESS = textwrap.dedent(
     import bsrkit
     from bsrkit import TensorKey, plans, reference, weak_lru_cache
     from bsrkit.backends.cpu import planning
-    from bsrkit.cache import _nbytes, _value_arrays
+    from bsrkit.cached_values import nbytes_of, value_arrays
 
     DURATION, SEED = float(sys.argv[1]), int(sys.argv[2])
     warnings.filterwarnings("ignore")
@@ -86,7 +86,7 @@ STRESS = textwrap.dedent(
             live = [k for k in state.entries if all(tk.alive for tk in tensor_keys(k))]
             assert info.currsize == len(state.entries) == len(live), (name, info, len(live))
             values = [e.cell[0] for e in state.entries.values()]  # every entry still has its value
-            assert info.nbytes == sum(_nbytes(_value_arrays(v)) for v in values), (name, info)
+            assert info.nbytes == sum(nbytes_of(value_arrays(v)) for v in values), (name, info)
             assert info.nbytes == sum(e.nbytes for e in state.entries.values())
             assert all(not p.latch.locked() for p in state.inflight.values()), f"{name}: stuck in-flight"
 

@@ -137,7 +137,7 @@ def test_prepared_calls_keep_no_large_copy_of_dense():
     import gc
 
     from bsrkit import shortcuts
-    from bsrkit.cache import _nbytes, _value_arrays
+    from bsrkit.cached_values import nbytes_of, value_arrays
 
     crow, col = torch.tensor([0, 1]), torch.tensor([0])
     w = torch.sparse_bsr_tensor(crow, col, torch.randn(1, 16, 16), size=(16, 4096))
@@ -148,7 +148,7 @@ def test_prepared_calls_keep_no_large_copy_of_dense():
         del x
     gc.collect()
     operand = shortcuts._operands[id(w)][3]
-    held = _nbytes(_value_arrays([list(operand.calls.values()), list(operand.pattern.calls.values())]))
+    held = nbytes_of(value_arrays([list(operand.calls.values()), list(operand.pattern.calls.values())]))
     assert held < 2**20
     x = torch.randn(4096, 1)
     for _ in range(2):  # (the repeated call refills its kept copy)
