@@ -1028,3 +1028,14 @@ def test_forward_takes_nn_linear_s_argument_name_and_the_dense_gradient_sees_it(
     assert total is not None
     torch.testing.assert_close(total, grad.mT @ x)
     record.remove()
+
+
+def test_a_numpy_density_is_taken_as_a_number():
+    """np.float32(0.5) was refused by BSRLinear while RigL and sparse_below took numpy numbers; a bool is
+    still no density."""
+    a = BSRLinear(16, 16, 4, density=np.float32(0.5), generator=torch.Generator().manual_seed(0))
+    b = BSRLinear(16, 16, 4, density=0.5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a.col_indices, b.col_indices)
+    for bad in (True, np.True_):
+        with pytest.raises(TypeError, match="expected density to be a real number"):
+            BSRLinear(16, 16, 4, density=bad)

@@ -94,7 +94,7 @@ class BSRLinear(nn.Module):
     ) -> None:
         super().__init__()
         bo, bi = check_blocksize("BSRLinear", blocksize)
-        check_density("BSRLinear", density)
+        density = check_density("BSRLinear", density)
         if dtype is not None and not dtype.is_floating_point:
             raise ArgumentTypeError(f"BSRLinear(): expected a floating-point dtype, got {dtype}")
         if out_features % bo or in_features % bi:
@@ -146,7 +146,7 @@ class BSRLinear(nn.Module):
                 + (conv1d if type(linear).__name__ == "Conv1D" else "")
             )
         bo, bi = check_blocksize("BSRLinear.from_dense", blocksize)
-        check_density("BSRLinear.from_dense", density)
+        density = check_density("BSRLinear.from_dense", density)
         w = linear.weight.detach()
         if w.is_meta:
             raise ValueError(

@@ -173,7 +173,7 @@ class GradualPruner:
         if filter_fn is not None and not callable(filter_fn):
             raise TypeError(f"{op}: expected filter_fn to be callable or None, got {type_name(filter_fn)}")
         bo, bi = check_blocksize("GradualPruner", blocksize)
-        check_density("GradualPruner", target_density, "target_density")
+        target_density = check_density("GradualPruner", target_density, "target_density")
         for name, value in (("start_step", start_step), ("end_step", end_step), ("every", every)):
             check_size(op[:-2], name, value)  # (an int: 1.5 steps would never be reached)
         if not (0 <= start_step < end_step) or every < 1:

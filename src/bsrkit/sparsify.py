@@ -266,7 +266,7 @@ def sparsify_(
     if not isinstance(model, nn.Module):
         raise TypeError(f"sparsify_(): expected model to be an nn.Module, got {type_name(model)}")
     bo, bi = check_blocksize("sparsify_", blocksize)
-    check_density("sparsify_", density)
+    density = check_density("sparsify_", density)
     if criterion != "block_norm":
         raise ValueError(f"sparsify_(): expected criterion 'block_norm', got {criterion!r}")
     if filter_fn is not None and not callable(filter_fn):

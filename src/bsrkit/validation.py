@@ -200,9 +200,14 @@ def mark_written(op: str, name: str, out: torch.Tensor) -> None:
     torch._C._increment_version((out,))
 
 
+def _is_real(value: Any) -> bool:
+    """A real number, Python's or numpy's (``numbers.Real``), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def check_scalar(op: str, name: str, value: Any) -> float:
-    """A real number (a Python int or float, not a bool), as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A real number (Python's or numpy's, not a bool), as a float."""
+    if not _is_real(value):
         raise ArgumentTypeError(f"{op}(): expected {name} to be a real number, got {type_name(value)}")
     return float(value)
 
@@ -265,8 +270,8 @@ def check_size(op: str, name: str, value: Any) -> int:
 
 
 def is_density(value: Any) -> TypeGuard[float]:
-    """A fraction of blocks: a real number (not a bool) in [0, 1]; NaN is not one."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+    """A fraction of blocks: a real number (Python's or numpy's, not a bool) in [0, 1]; NaN is not one."""
+    return _is_real(value) and 0 <= value <= 1
 
 
 def check_density(op: str, density: Any, name: str = "density") -> float:
