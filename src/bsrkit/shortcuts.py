@@ -192,7 +192,7 @@ def keep_checked_call(signature: tuple[Any, ...], checked: CheckedCall) -> None:
 #   TensorImpl, version and members, so a hit compares its (M, K) with the operand's as well.
 
 # id(wrapper) -> (ref to it, its TensorImpl address, its version, the operand, its pattern's snapshot,
-#                 its members' layout)
+#                 its members' layout, its shape)
 _operands: dict[int, tuple[Any, ...]] = {}
 
 
@@ -221,8 +221,7 @@ def kept_operand(
     if seen is None or seen[0]() is not bsr or seen[1] != bsr._cdata or seen[2] != bsr._version:
         return None
     if not members_proven and (
-        seen[5] != _member_layout(bsr.crow_indices(), bsr.col_indices(), bsr.values())
-        or bsr.shape[-2:] != (seen[3].M, seen[3].K)
+        seen[5] != _member_layout(bsr.crow_indices(), bsr.col_indices(), bsr.values()) or bsr.shape != seen[6]
     ):
         return None  # a member re-pointed (.data =, set_), or the wrapper resized (bsr.data = another)
     if compare is None:
@@ -245,7 +244,8 @@ def keep_operand(bsr: torch.Tensor, version: int, operand: Operand) -> None:
     forget = functools.partial(_operands.pop, id(bsr))  # called as pop(id, ref)
     proof = operand.pattern.proof  # (of the memory of bsr's members: the pattern's key names it)
     members = _member_layout(operand.crow, operand.col, operand.values)
-    _operands[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand, proof, members)
+    shape = torch.Size((*operand.batch, operand.M, operand.K))  # (the wrapper's, as the operand saw it)
+    _operands[id(bsr)] = (weakref.ref(bsr, forget), bsr._cdata, version, operand, proof, members, shape)
 
 
 def forget_operand(bsr: torch.Tensor, a: Operand) -> None:
