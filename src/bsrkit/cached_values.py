@@ -14,6 +14,10 @@ import torch
 
 __all__ = ["nbytes_of", "pinning_array", "value_arrays"]
 
+# numpy 2 moved byte_bounds to numpy.lib.array_utils; 1.26 (the lowest supported) has numpy.byte_bounds.
+_array_utils = getattr(np.lib, "array_utils", None)
+_byte_bounds = _array_utils.byte_bounds if _array_utils is not None else np.byte_bounds  # type: ignore[attr-defined]
+
 
 def value_arrays(value: Any) -> list[Any]:
     """Tensors, storages, numpy arrays and ``bytes`` held by a value, each once, looking inside tuples,
@@ -145,7 +149,7 @@ def _address_span(a: Any) -> tuple[str, int, int] | None:
     if isinstance(a, np.ndarray):
         if not a.nbytes:
             return None
-        low, high = np.lib.array_utils.byte_bounds(a)
+        low, high = _byte_bounds(a)
         return "cpu", low, high
     if isinstance(a, torch.Tensor):
         if a.layout is not torch.strided or a.device.type == "meta":
