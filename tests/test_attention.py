@@ -574,3 +574,27 @@ def test_a_numpy_bool_is_named_with_its_module():
     q = torch.randn(32, 16)
     with pytest.raises(ValueError, match="expected is_causal to be a bool, got numpy.bool"):
         bsrkit.scaled_dot_product_attention(q, q, q, mask, is_causal=np.True_)
+
+
+def test_attention_and_softmax_take_non_reentrant_checkpointing_under_create_graph():
+    """Their first-order-only backward read the saved tensors a second time when grad mode was on (a
+    gradient penalty's first derivative), which non-reentrant checkpointing refuses."""
+    from torch.utils.checkpoint import checkpoint
+
+    mask = torch.ones(8, 8, dtype=torch.bool).to_sparse_bsr((4, 4))
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    q0 = torch.randn(2, 8, 8, dtype=torch.float64)
+    calls = {
+        "attention": lambda q: bsrkit.scaled_dot_product_attention(q, q, q, mask) @ w,
+        "softmax": lambda q: bsrkit.bsr_softmax(
+            torch.sparse_bsr_tensor(mask.crow_indices(), mask.col_indices(), q[0].view(4, 4, 4), size=(8, 8))
+        ).values(),
+    }
+    for name, call in calls.items():
+        grads = []
+        for wrapped in (False, True):
+            q = q0.clone().requires_grad_()
+            y = checkpoint(call, q, use_reentrant=False) if wrapped else call(q)
+            (g,) = torch.autograd.grad(y.square().sum(), q, create_graph=True)
+            grads.append(g)
+        torch.testing.assert_close(grads[0], grads[1], msg=name)

@@ -753,3 +753,36 @@ def test_a_dead_entry_s_key_leaves_the_table_at_the_next_call_as_documented():
     assert Model.scaled.cache_info().currsize == 0
     gc.collect()
     assert owner() is None
+
+
+def test_a_sparse_value_aliasing_its_argument_is_refused_and_a_storage_less_argument_is_taken():
+    """The alias check skipped a sparse value's members (a BSR whose values are a from_dlpack alias
+    pinned the argument), and read the storage of an argument that has none (a wrapper subclass, as
+    DTensor's: the call raised where it was cached before)."""
+    from torch.utils._pytree import tree_map
+
+    @weak_lru_cache(maxsize=None)
+    def as_bsr(t):
+        values = torch.from_dlpack(t).view(1, 4, 4)
+        return torch.sparse_bsr_tensor(torch.tensor([0, 1]), torch.tensor([0]), values, size=(4, 4))
+
+    with pytest.raises(ValueError, match="shares memory with one of its tensor arguments"):
+        as_bsr(torch.randn(16))
+
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, elem):
+            return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device)
+
+        def __init__(self, elem):
+            self.elem = elem
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            unwrap = lambda a: a.elem if isinstance(a, Wrapper) else a  # noqa: E731
+            out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+            return tree_map(lambda o: Wrapper(o) if isinstance(o, torch.Tensor) else o, out)
+
+    table = weak_lru_cache(maxsize=None)(lambda t: torch.zeros(3))
+    argument = Wrapper(torch.randn(4))
+    assert torch.equal(table(argument), torch.zeros(3)) and torch.equal(table(argument), torch.zeros(3))

@@ -860,3 +860,16 @@ def test_coefficients_take_numpy_s_bool_and_name_an_integer_beyond_float64():
         for name in ("alpha", "beta"):
             with pytest.raises(ValueError, match=f"expected {name} within float64's range"):
                 call(**{name: 10**400})
+
+
+def test_sampled_addmm_refuses_an_out_whose_expanded_pattern_cannot_take_input_s_before_writing():
+    """A batched input whose patterns differ per batch, an out whose indices are one expanded view: torch
+    refused the second index copy after the first had been written."""
+    crow = torch.tensor([[0, 1, 2], [0, 2, 2]])
+    col = torch.tensor([[0, 1], [0, 1]])
+    input = torch.sparse_bsr_tensor(crow, col, torch.randn(2, 2, 2, 2), size=(2, 4, 4))
+    out_crow, out_col = torch.tensor([0, 2, 2]).expand(2, -1), torch.tensor([0, 1]).expand(2, -1)
+    out = torch.sparse_bsr_tensor(out_crow, out_col, torch.zeros(2, 2, 2, 2), size=(2, 4, 4))
+    with pytest.raises(ValueError, match="out's pattern differs from input's"):
+        bsrkit.sampled_addmm(input, torch.randn(4, 3), torch.randn(3, 4), out=out)
+    assert out.crow_indices().tolist() == [[0, 2, 2], [0, 2, 2]]

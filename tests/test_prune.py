@@ -4,6 +4,7 @@ pattern, and finalize() to BSRLinear, against a masked-dense reference run."""
 import copy
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -229,3 +230,15 @@ def test_the_default_filter_s_conv1d_layers_are_skipped_and_named():
     only_conv1d = nn.Sequential(conv1d(8, 8))
     with pytest.raises(ValueError, match="1 transformers Conv1D layers .* sparsify_ converts them"):
         GradualPruner(only_conv1d, torch.optim.SGD(only_conv1d.parameters(), lr=0.1), **kwargs)
+
+
+def test_sparse_below_takes_numpy_s_real_numbers():
+    kwargs = {"blocksize": 4, "target_density": 0.5, "start_step": 0, "end_step": 2, "every": 1}
+    for below in (np.float32(0.3), np.float64(0.3), 0.3, np.True_):
+        model = nn.Sequential(nn.Linear(8, 8))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if below is np.True_:
+            with pytest.raises(ValueError, match="expected sparse_below to be a number in"):
+                GradualPruner(model, opt, sparse_below=below, **kwargs)
+        else:
+            assert GradualPruner(model, opt, sparse_below=below, **kwargs)._layers[0].sparse_below == below

@@ -81,6 +81,7 @@ def first_order_only(op: str) -> Callable[[Callable[..., Any]], Callable[..., An
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def backward(ctx: Any, *grads: Any) -> Any:
+            ctx = _SavedOnce(ctx)  # (non-reentrant activation checkpointing unpacks them once only)
             with torch.no_grad():
                 outputs = fn(ctx, *grads)
             if not torch.is_grad_enabled():
@@ -106,6 +107,18 @@ def first_order_only(op: str) -> Callable[[Callable[..., Any]], Callable[..., An
         return backward
 
     return decorate
+
+
+class _SavedOnce:
+    """A backward's ``ctx`` whose ``saved_tensors`` are unpacked once and kept (other attributes: the
+    context's)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self.saved_tensors = ctx.saved_tensors
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
 
 
 def _values_of(t: torch.Tensor) -> torch.Tensor:

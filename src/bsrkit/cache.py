@@ -323,8 +323,9 @@ class _CacheState:
             raise ValueError(
                 f"{self.func.__qualname__}(): the returned value shares memory with one of its tensor "
                 f"arguments ({what}): a view of it, the tensor itself, its storage, or an alias of its "
-                "memory. Caching it would keep that memory alive forever, so the entry could never die. "
-                "Return data derived from the argument (e.g. a clone) instead."
+                "memory. Cached, it would change with every in-place write to the argument, and could "
+                "keep that memory alive forever (the entry would never die). Return data derived from "
+                "the argument (e.g. a clone) instead."
             )
         nbytes = nbytes_of(arrays)
         if self.maxbytes is not None and nbytes > self.maxbytes:

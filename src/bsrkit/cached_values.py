@@ -133,13 +133,15 @@ def pinning_array(arrays: list[Any], anchors: list[Any]) -> Any:
     ids = {id(a) for a in anchors}
     spans = [span for a in anchors if (span := _address_span(a)) is not None]
     for a in arrays:
-        if any(id(m) in ids for m in _memory_of(a)):
+        memory = _memory_of(a)
+        if any(id(m) in ids for m in memory):
             return a
-        span = _address_span(a)
-        if span is not None and any(
-            device == span[0] and low < span[2] and span[1] < high for device, low, high in spans
-        ):
-            return a
+        for m in (a, *memory):  # (a sparse value: its members' storages)
+            span = _address_span(m)
+            if span is not None and any(
+                device == span[0] and low < span[2] and span[1] < high for device, low, high in spans
+            ):
+                return a
     return None
 
 
@@ -151,10 +153,13 @@ def _address_span(a: Any) -> tuple[str, int, int] | None:
             return None
         low, high = _byte_bounds(a)
         return "cpu", low, high
-    if isinstance(a, torch.Tensor):
-        if a.layout is not torch.strided or a.device.type == "meta":
-            return None
-        a = a.untyped_storage()
-    if isinstance(a, torch.UntypedStorage) and a.device.type != "meta" and a.nbytes():
-        return str(a.device), a.data_ptr(), a.data_ptr() + a.nbytes()
+    try:
+        if isinstance(a, torch.Tensor):
+            if a.layout is not torch.strided or a.device.type == "meta":
+                return None
+            a = a.untyped_storage()
+        if isinstance(a, torch.UntypedStorage) and a.device.type != "meta" and a.nbytes():
+            return str(a.device), a.data_ptr(), a.data_ptr() + a.nbytes()
+    except (RuntimeError, NotImplementedError):  # (no memory of its own: a wrapper subclass, vmap's)
+        return None
     return None

@@ -284,6 +284,7 @@ def checked_addmm(
     elif may_share_memory(out, dense, None if a is None else a.values):
         # The kernels read dense and the blocks (where any are read: a's) while writing out: computed in
         # a temporary and copied in, as numpy's matmul does, so that the operands are read as they were.
+        mark_written(op, "out", out)
         result = checked_addmm(
             op, input, bsr, dense, beta=beta, alpha=alpha, out=None, meta=meta, transpose=transpose,
             left=left, right=right, operand=operand,
@@ -565,10 +566,21 @@ def sampled_addmm(
         contiguous = torch.contiguous_format
         crow, col = crow.clone(memory_format=contiguous), col.clone(memory_format=contiguous)
         return torch.sparse_bsr_tensor(crow, col, values, size=(*batch, M, N), check_invariants=False)
-    for mine, theirs in ((out.crow_indices(), crow), (out.col_indices(), col)):
-        # torch copies input into out: out takes input's pattern (where it holds it already, an index
-        # tensor shared across the batch, an expanded view, cannot take a copy, and needs none)
-        if not torch.equal(mine, theirs):
-            mine.copy_(theirs)
+    # torch copies input into out: out takes input's pattern (where it holds it already, an index tensor
+    # shared across the batch, an expanded view, cannot take a copy, and needs none; one that must is
+    # refused before anything is written)
+    writes = [
+        (m, t) for m, t in ((out.crow_indices(), crow), (out.col_indices(), col)) if not torch.equal(m, t)
+    ]
+    for mine, _ in writes:
+        if torch._debug_has_internal_overlap(mine) == 1:
+            raise ValueError(
+                f"{op}(): out's pattern differs from input's and its index tensors share memory across the "
+                "batch (an expanded view), so they cannot take input's: pass an out with its own indices"
+            )
+    if torch._debug_has_internal_overlap(out.values()) == 1:
+        raise ValueError(f"{op}(): expected out's values whose elements are distinct memory (not expanded)")
+    for mine, theirs in writes:
+        mine.copy_(theirs)
     out.values().copy_(values)
     return out

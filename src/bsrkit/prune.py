@@ -59,7 +59,7 @@ from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
 from bsrkit.regrow import DenseGradient, GradientRecord, RigL, drop_and_grow
 from bsrkit.sparsify import break_even_density, check_selected, default_filter, foreign_holders
-from bsrkit.validation import check_blocksize, check_density, check_size, type_name
+from bsrkit.validation import check_blocksize, check_density, check_size, is_density, type_name
 
 __all__ = ["GradualPruner", "RigL", "cubic_density"]
 
@@ -183,12 +183,7 @@ class GradualPruner:
             )
         if criterion not in ("magnitude", "movement"):
             raise ValueError(f"{op}: expected criterion 'magnitude' or 'movement', got {criterion!r}")
-        if not (
-            sparse_below is None
-            or sparse_below == "break_even"
-            or (isinstance(sparse_below, (int, float)) and not isinstance(sparse_below, bool)
-                and 0 <= sparse_below <= 1)
-        ):  # fmt: skip
+        if not (sparse_below is None or sparse_below == "break_even" or is_density(sparse_below)):
             raise ValueError(
                 f"{op}: expected sparse_below to be a number in [0, 1], 'break_even' or None, got "
                 f"{sparse_below!r}"

@@ -257,7 +257,8 @@ def bsr_scatter_mm(
     ``indices_data`` must be what :func:`bsr_scatter_mm_indices_data` (bsrkit's or torch's) gives for
     ``bsr``'s pattern as it is now and ``other``'s width: data made for another width, or before the
     pattern was written in place, raise ``ValueError`` (torch computes a wrong product with them). An
-    ``out`` sharing memory with ``other`` is refused on both paths.
+    ``out`` sharing memory with ``other`` or the blocks gets the product through a temporary on both
+    paths (the operands as they were before the call).
     """
     op = "bsr_scatter_mm"
     check_bsr(op, "bsr", bsr)
@@ -271,6 +272,7 @@ def bsr_scatter_mm(
         and out.layout is other.layout is torch.strided
         and may_share_memory(out, other, bsr.values())
     ):  # (out is zeroed, then accumulated into, while other and the blocks are read: through a temporary)
+        mark_written(op, "out", out)
         result = bsr_scatter_mm(bsr, other, indices_data)
         check_out(op, out, result.shape, result.dtype, result.device)
         return out.copy_(result)
