@@ -397,6 +397,39 @@ def test_mask_from_flex_block_mask():
     _check_mask(mask, (i - j).abs() <= 5)
 
 
+def test_mask_from_block_mask_names_a_wrong_argument_and_a_sliced_block_mask():
+    """A sliced BlockMask keeps the whole seq_lengths: an invalid BSR came back, refused later under
+    attn_mask's name; a non-BlockMask raised a bare AttributeError."""
+    fa = pytest.importorskip("torch.nn.attention.flex_attention")
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    block_mask = fa.create_block_mask(causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16, _compile=False)
+    sliced = block_mask[:, :, 1:3]
+    sliced.mask_mod = causal
+    with pytest.raises(ValueError, match="expected block_mask to hold the 4 block rows"):
+        bsrkit.mask_from_block_mask(sliced)
+    for bad in (None, torch.ones(3)):
+        with pytest.raises(TypeError, match="expected block_mask to be a torch.nn.attention"):
+            bsrkit.mask_from_block_mask(bad)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_mask_storing_a_block_column_twice_is_refused(batched):
+    """Attention over a row that stores a block twice weighed its keys twice (fused and composed paths
+    alike: wrong rows, silently); products sum what is stored, attention cannot."""
+    crow, col = torch.tensor([0, 2, 4]), torch.tensor([0, 1, 1, 1])  # block row 1 holds column 1 twice
+    if batched:
+        crow, col = (
+            torch.stack([torch.tensor([0, 2, 4]), crow]),
+            torch.stack([torch.tensor([0, 1, 0, 1]), col]),
+        )
+    values = torch.ones(*crow.shape[:-1], 4, 4, 4, dtype=torch.bool)
+    mask = torch.sparse_bsr_tensor(crow, col, values, size=(*crow.shape[:-1], 8, 8), check_invariants=False)
+    q = torch.randn(2, 8, 4)
+    where = "block row 1 of batch 1" if batched else "block row 1"
+    with pytest.raises(ValueError, match=f"{where} stores block column 1 twice"):
+        bsrkit.scaled_dot_product_attention(q, q, q, mask)
+
+
 def _dense_construction(allowed, L, S, blocksize):
     """The builders' former O(L * S) construction (kept as the oracle): evaluate every entry, store
     the blocks holding an allowed one."""

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bsrkit import autograd, dispatch
+from bsrkit import autograd, dispatch, plans
 from bsrkit.backends.base import Backend, FusedAttention, fused_attention
 from bsrkit.cache import library_cache, weak_lru_cache
 from bsrkit.eager import eager_under_compile
@@ -79,6 +79,25 @@ __all__ = [
 ]
 
 _OP = "scaled_dot_product_attention"
+
+
+def _first_duplicate(source: Any) -> tuple[int, int, int] | None:
+    """(batch, block row, block column) of the first block column a row of the pattern stores twice, or
+    None. Products sum what is stored (a duplicate is two terms); attention must not weigh keys twice."""
+    _, col = plans.indices(source)
+    rows = plans.derive("rows", source)
+    width = int(col.max()) + 1 if col.numel() else 1
+    ordered = (rows * width + col).sort(dim=1).values
+    twice = ordered[:, 1:] == ordered[:, :-1]
+    if not bool(twice.any()):
+        return None
+    b, i = (int(v) for v in twice.nonzero()[0])
+    key = int(ordered[b, i])
+    return b, key // width, key % width
+
+
+_DUPLICATE_PLAN = "attention_duplicate_block"
+plans.register(_DUPLICATE_PLAN, _first_duplicate)
 # The products' own names, under which the tuning table keys their parameters.
 _SAMPLED, _MM, _MM_T = "sampled_addmm", "bsr_dense_mm", "bsr_transposed_dense_mm"
 
@@ -147,6 +166,14 @@ def scaled_dot_product_attention(
     softmax = dispatch.select(_OP, "softmax", device, dtype)
     addmm = dispatch.select(_OP, "addmm", device, dtype)
     a = Operand.of(_pattern(attn_mask, tuple(batch)), _OP, "attn_mask")
+    duplicate = a.plan(_DUPLICATE_PLAN) if a.nnz > 1 else None
+    if duplicate is not None:
+        b, row, col = duplicate
+        where = f" of batch {b}" if attn_mask.ndim > 2 else ""
+        raise ValueError(
+            f"{_OP}(): malformed attn_mask: block row {row}{where} stores block column {col} twice "
+            "(attention would weigh its keys twice; torch's invariant check refuses such a pattern too)"
+        )
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     fused = None
     if _may_fuse(sampled, softmax, addmm, a, query, value, dropout_p, float(scale)):

@@ -200,12 +200,22 @@ def mask_from_block_mask(block_mask: Any) -> torch.Tensor:
     tensor expressions do). A BlockMask with batch or head size 1 broadcasts; otherwise the result is
     batched ``(B, H, L, S)`` with the union of the patterns."""
     op = "mask_from_block_mask"
+    if not all(hasattr(block_mask, a) for a in ("seq_lengths", "BLOCK_SIZE", "kv_num_blocks", "mask_mod")):
+        raise ArgumentTypeError(
+            f"{op}(): expected block_mask to be a torch.nn.attention.flex_attention.BlockMask, got "
+            f"{type_name(block_mask)}"
+        )
     L, S = block_mask.seq_lengths
     Ms, Ns = block_mask.BLOCK_SIZE
     B, H, MB = block_mask.kv_num_blocks.shape
     NB = -(-S // Ns)
     if L % Ms or S % Ns:
         raise ValueError(f"{op}(): expected the block size {(Ms, Ns)} to divide (L, S) == {(L, S)}")
+    if L // Ms != MB:  # (a sliced BlockMask keeps the whole seq_lengths: its rows would start at 0)
+        raise ValueError(
+            f"{op}(): expected block_mask to hold the {L // Ms} block rows of its seq_lengths {(L, S)}, got "
+            f"{MB} (a BlockMask sliced along the queries: build the mask of the whole sequence)"
+        )
     device = block_mask.kv_num_blocks.device
 
     def dense_blocks(num: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor:
