@@ -139,6 +139,33 @@ def test_a_loaded_model_owns_its_memory_and_saves_over_its_own_file(tmp_path, ba
         assert torch.equal(loaded(x), model(x))
 
 
+@pytest.mark.parametrize("density", [0.0, 0.5])
+def test_tied_block_sparse_layers_load_tied_even_with_no_stored_block(tmp_path, density):
+    """An empty tensor has no address of its own: tied layers with no stored block were saved as two
+    entries and loaded untied (a later load with blocks, then a step, trained them apart)."""
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    torch.manual_seed(0)
+    model = Pair()
+    sparsify_(model, blocksize=32, density=density, force=True)
+    save_sparse(model, tmp_path / "pair.safetensors")
+    assert read_sparse_metadata(tmp_path / "pair.safetensors")["tied"] == {
+        "b.values": "a.values",
+        "b.crow_indices": "a.crow_indices",
+        "b.col_indices": "a.col_indices",
+    }
+    loaded = load_sparse(Pair, tmp_path / "pair.safetensors")
+    assert loaded.a.values is loaded.b.values and loaded.a.col_indices is loaded.b.col_indices
+
+
 def test_save_sparse_writes_tied_parameters_once(tmp_path):
     class Tied(nn.Module):
         def __init__(self):

@@ -1039,3 +1039,17 @@ def test_a_numpy_density_is_taken_as_a_number():
     for bad in (True, np.True_):
         with pytest.raises(TypeError, match="expected density to be a real number"):
             BSRLinear(16, 16, 4, density=bad)
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (3, 2, 16)])
+def test_a_first_call_in_inference_mode_leaves_later_calls_working(shape):
+    """The prepared call kept by a first product in inference mode held an inference tensor (its copy of
+    x), which every later call outside inference mode had to write: they all raised."""
+    layer = BSRLinear(16, 32, 4, density=0.5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = torch.randn(*shape, dtype=torch.float64)
+    expected = x @ layer.to_dense().T + layer.bias.detach()
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), expected)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected)
+    torch.testing.assert_close(layer(x), expected)  # (values require grad: the differentiable call)

@@ -280,6 +280,29 @@ def test_the_default_filter_leaves_layers_a_bsr_linear_cannot_stand_for():
             sparsify_(model, blocksize=16, density=0.5, filter_fn=lambda m, name, fqn=fqn: name == fqn)
 
 
+def test_a_layer_with_hooks_or_an_instance_forward_stays_dense_and_is_named_when_selected():
+    """The swap dropped a layer's forward hooks and pre-hooks (and an instance-level forward, as
+    accelerate's hooks set): the model computed something else, silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+    )
+    model[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    model[2].register_forward_hook(lambda m, args, out: out + 1)
+    plain = model[3].forward
+    model[3].forward = lambda x: plain(x) * 3
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        before = model(x)
+    summary = sparsify_(model, blocksize=8, density=1.0, force=True)
+    assert [r.fqn for r in summary.layers] == ["4"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), before)
+    for fqn, why in (("0", "forward pre hooks"), ("2", "forward hooks"), ("3", "its own forward")):
+        with pytest.raises(ValueError, match=f"selected '{fqn}', which cannot be block-sparse: .*{why}"):
+            sparsify_(model, blocksize=8, density=0.5, filter_fn=lambda m, name, fqn=fqn: name == fqn)
+
+
 def test_frozen_layers_stay_frozen():
     """A frozen base model (adapters or a head trained alone): each swapped layer keeps its weight's and
     bias's requires_grad (they became trainable again), nn.Linear and Conv1D alike."""

@@ -63,8 +63,11 @@ def _tensors_to_write(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
             raise ValueError(
                 f"save_sparse(): expected strided tensors in the state_dict, got {name!r} {t.layout}"
             )
-        alias = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
-        if t.numel() and alias in seen:
+        # (an empty tensor has no address of its own, so its storage object names it: tied layers with no
+        # stored block are tied as well)
+        where = t.data_ptr() if t.numel() else ("storage", t.untyped_storage()._cdata, t.storage_offset())
+        alias = (t.device, t.dtype, where, tuple(t.shape), t.stride())
+        if alias in seen:
             tied[name] = seen[alias]
             continue
         storage = (str(t.device), t.untyped_storage().data_ptr())
@@ -72,8 +75,8 @@ def _tensors_to_write(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
             t = t.clone(memory_format=torch.contiguous_format)
         elif not t.is_contiguous():
             t = t.contiguous()
+        seen[alias] = name
         if t.numel():
-            seen[alias] = name
             storages.add((str(t.device), t.untyped_storage().data_ptr()))
         kept[name] = t
     return kept, tied

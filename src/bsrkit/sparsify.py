@@ -68,6 +68,10 @@ def foreign_holders(model: nn.Module) -> dict[int, tuple[str, nn.Module]]:
     return holders
 
 
+# The per-module hooks a swapped layer would lose (torch.nn.Module's _<kind>_hooks tables).
+_HOOKS = ("forward_pre", "forward", "backward_pre", "backward")
+
+
 def replacement_problem(
     model: nn.Module, module: nn.Module, fqn: str, holders: dict[int, tuple[str, nn.Module]] | None = None
 ) -> str | None:
@@ -76,7 +80,8 @@ def replacement_problem(
     only, so: no ``nn.Linear`` subclass with its own ``forward`` or more state (a LoRA layer would lose
     its adapter), no parametrized weight (weight_norm, ``torch.nn.utils.parametrize``), and no layer whose
     parent reads its ``weight`` itself (``nn.MultiheadAttention.out_proj``, the linear layers of an
-    ``nn.TransformerEncoderLayer``), and no layer sharing its weight or bias with a module that is not a
+    ``nn.TransformerEncoderLayer``), no layer with forward or backward hooks (they would be lost), and
+    no layer sharing its weight or bias with a module that is not a
     linear layer (an output head tied to the embedding: the block-sparse layer would hold its own copy,
     and a pruner's zeroed blocks would zero the embedding's rows). ``holders``: :func:`foreign_holders`
     of ``model`` (found here when None)."""
@@ -90,8 +95,14 @@ def replacement_problem(
     if isinstance(module, nn.Linear):
         if nn.utils.parametrize.is_parametrized(module) or not isinstance(module.weight, nn.Parameter):
             return "its weight is parametrized or not a Parameter (remove the parametrization first)"
-        if type(module).forward is not nn.Linear.forward:
+        if type(module).forward is not nn.Linear.forward or "forward" in vars(module):
             return f"a {type_name(module)} with its own forward (a BSRLinear would drop it)"
+    hooks = [kind for kind in _HOOKS if getattr(module, f"_{kind}_hooks", None)]
+    if hooks:  # (an nn.Linear's or a Conv1D's: the new layer would not run them)
+        return (
+            f"it has {' and '.join(h.replace('_', ' ') for h in hooks)} hooks (a BSRLinear would not run "
+            "them: remove them, and register them on the new layer after sparsify_)"
+        )
         extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
         extra += [n for n, _ in module.named_buffers()] + [n for n, _ in module.named_children()]
         if extra:

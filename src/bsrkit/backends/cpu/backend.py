@@ -199,7 +199,7 @@ def _addmm_small(
         width = N if N <= 2 else 4  # (a loop each for 1, 2 and 4 columns)
         x = dense.mT  # (.., Wp, K) rows contiguous along k
         if not (width == N and (x.stride(-1) == 1 or K == 1)):
-            x = dense.new_zeros((*dense.shape[:-2], width, K))
+            x = _kept_buffer(dense, (*dense.shape[:-2], width, K))
             fill = _filler(x[..., :N, :], transposed=True)
         x_ld = x.stride(-2) if width > 1 else K
     else:
@@ -207,7 +207,7 @@ def _addmm_small(
         width = -(-N // lanes) * lanes
         x = dense  # (.., K, Wp) rows contiguous along the columns
         if not (width == N and x.stride(-1) == 1):
-            x = dense.new_zeros((*dense.shape[:-2], K, width))
+            x = _kept_buffer(dense, (*dense.shape[:-2], K, width))
             fill = _filler(x[..., :N], transposed=False)
         x_ld = x.stride(-2)
     nthreads = _threads(params, math.prod(batch) * a.nnz * Ms * Ks * max(N, 4))
@@ -236,6 +236,14 @@ def _addmm_small(
 # decode step's columns (K floats) are far below; a large batch of few columns is copied per call instead
 # of being held, up to 16 times per pattern, for as long as the pattern lives.
 _KEPT_COPY_MAX_BYTES = 2**20
+
+
+def _kept_buffer(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zeros of ``shape`` in ``like``'s dtype and device that a prepared call keeps and refills on later
+    calls: never an inference tensor (made in ``torch.inference_mode()``, a later call outside it could
+    not write it)."""
+    with torch.inference_mode(False):
+        return like.new_zeros(shape)
 
 
 def _filler(xs: torch.Tensor, transposed: bool) -> Callable[[torch.Tensor], None]:
