@@ -312,6 +312,7 @@ def scenario_tp(rank: int, world: int, out: Path) -> dict:
                 torch.float64 if rank else torch.float32
             ),
         ),
+        ("index_dtype", lambda: _index_dtype(BSRLinear(16, 16, 4, density=0.5, generator=_seeded(0)), rank)),
     ):
         try:
             BlockRowParallelBSRLinear(layer())
@@ -349,6 +350,14 @@ def scenario_tp(rank: int, world: int, out: Path) -> dict:
 
 def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _index_dtype(layer: BSRLinear, rank: int) -> BSRLinear:
+    """``layer`` with int32 indices on rank 1 (int64 elsewhere): the same pattern, gathered as another
+    dtype by to_bsr_linear (gloo aborted the process)."""
+    if rank:
+        layer.crow_indices, layer.col_indices = layer.crow_indices.int(), layer.col_indices.int()
+    return layer
 
 
 def _one_block_per_row(cols: list[int]) -> BSRLinear:

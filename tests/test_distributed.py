@@ -188,6 +188,7 @@ def test_tensor_parallel_refuses_ranks_with_different_layers(two_ranks):
         "same_column_sum": True,
         "bias": True,
         "dtype": True,
+        "index_dtype": True,
     }
 
 

@@ -338,7 +338,8 @@ def _check_same_pattern(
     dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
     layout = torch.tensor(
         [layer.out_features, layer.in_features, *layer.blocksize, col.numel(), layer.bias is not None,
-         dtypes.index(layer.values.dtype) if layer.values.dtype in dtypes else -1],
+         dtypes.index(layer.values.dtype) if layer.values.dtype in dtypes else -1,
+         crow.dtype is torch.int32, col.dtype is torch.int32],  # (indices' too: to_bsr_linear gathers them)
         dtype=torch.int64, device=device,
     )  # fmt: skip
     pattern = torch.cat([crow.to(device, torch.int64), col.to(device, torch.int64)])
@@ -346,7 +347,7 @@ def _check_same_pattern(
         everyone = mine.new_empty(dist.get_world_size(group) * mine.numel())
         dist.all_gather_single(everyone, mine, group=group)
         if not torch.equal(everyone.view(-1, mine.numel()), mine.expand(dist.get_world_size(group), -1)):
-            what = "layer shape, dtype and bias" if mine is layout else "pattern"
+            what = "layer shape, dtypes and bias" if mine is layout else "pattern"
             raise ValueError(
                 f"BlockRowParallelBSRLinear(): expected the same {what} on every rank, got "
                 f"{everyone.view(-1, mine.numel()).tolist()[:8]} (build the layer with the same seed on "
