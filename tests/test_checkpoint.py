@@ -296,6 +296,15 @@ def test_errors_name_what_does_not_match(tmp_path):
     save_file(load_file(path), crafted, metadata={"format": "pt", "bsrkit": json.dumps(record)})
     with pytest.raises(ValueError, match=r"layer 'layers.0' lacks \['nnz'\]"):  # (a raw KeyError)
         load_sparse(MLP, crafted)
+    # A recorded buffer dtype that is not floating (an edited file: the buffer became int64 silently), and
+    # a dtype the products cannot run (float8 loaded, then every forward failed).
+    record = read_sparse_metadata(path)
+    record["buffer_dtypes"] = {"scale": "int64"}
+    save_file(load_file(path), crafted, metadata={"format": "pt", "bsrkit": json.dumps(record)})
+    with pytest.raises(ValueError, match=r"buffer 'scale' has no floating dtype 'int64'"):
+        load_sparse(MLP, crafted)
+    with pytest.raises(ValueError, match=r"expected dtype in \(torch.float32"):
+        load_sparse(MLP, path, dtype=torch.float8_e4m3fn)
 
 
 def _with_layer(model, fqn, layer):

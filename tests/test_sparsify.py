@@ -303,6 +303,29 @@ def test_a_layer_with_hooks_or_an_instance_forward_stays_dense_and_is_named_when
             sparsify_(model, blocksize=8, density=0.5, filter_fn=lambda m, name, fqn=fqn: name == fqn)
 
 
+def test_a_layer_whose_parent_reads_its_weight_stays_dense():
+    """transformers' T5 feed-forward reads ``self.wo.weight.dtype`` in its forward: the swapped layer (no
+    weight) failed at the first forward, after sparsify_ had reported success."""
+
+    class FeedForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wi, self.wo = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            h = torch.relu(self.wi(x))
+            return self.wo(h.to(self.wo.weight.dtype))
+
+    torch.manual_seed(0)
+    model = FeedForward()
+    x = torch.randn(3, 32)
+    summary = sparsify_(model, blocksize=16, density=1.0, force=True)
+    assert [r.fqn for r in summary.layers] == ["wi"]
+    assert model(x).shape == (3, 32)
+    with pytest.raises(ValueError, match=r"selected 'wo', .*FeedForward.forward reads its wo.weight itself"):
+        sparsify_(model, blocksize=16, density=0.5, filter_fn=lambda m, name: name == "wo")
+
+
 def test_frozen_layers_stay_frozen():
     """A frozen base model (adapters or a head trained alone): each swapped layer keeps its weight's and
     bias's requires_grad (they became trainable again), nn.Linear and Conv1D alike."""

@@ -30,7 +30,7 @@ from torch import nn
 
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
-from bsrkit.validation import type_name
+from bsrkit.validation import SUPPORTED_DTYPES, type_name
 
 __all__ = ["load_sparse", "parameters_on_meta", "read_sparse_metadata", "save_sparse"]
 
@@ -188,8 +188,11 @@ def read_sparse_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         if not (isinstance(entries, dict) and all(isinstance(v, str) for v in entries.values())):
             raise ValueError(f"{malformed} expected {key!r} to map names to names, got {entries!r}")
     for name, dtype in record["buffer_dtypes"].items():
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"{malformed} buffer {name!r} has no dtype {dtype!r}")
+        found = getattr(torch, dtype, None)
+        if not (
+            isinstance(found, torch.dtype) and found.is_floating_point
+        ):  # (only floating ones are recorded)
+            raise ValueError(f"{malformed} buffer {name!r} has no floating dtype {dtype!r}")
     return record
 
 
@@ -355,6 +358,10 @@ def load_sparse(
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"load_sparse(): expected dtype to be a floating torch.dtype or None, got {dtype!r}")
+    if (
+        dtype is not None and dtype not in SUPPORTED_DTYPES
+    ):  # (the products' dtypes: float8 loads, never runs)
+        raise ValueError(f"load_sparse(): expected dtype in {SUPPORTED_DTYPES} or None, got {dtype}")
     record = read_sparse_metadata(path)
     device = _real_device(device)
     if isinstance(model_or_factory, nn.Module):

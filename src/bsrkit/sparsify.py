@@ -14,8 +14,12 @@ this machine: when ``density`` is at or above the break-even density of its devi
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import re
 import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -112,7 +116,22 @@ def replacement_problem(
     for kind, names in _READ_BY_PARENT:
         if isinstance(parent, kind) and name in names:
             return f"nn.{kind.__name__} reads its {name}.weight itself"
+    parent_class: Any = type(parent)  # (a class: hashable, as functools.cache needs)
+    if _forward_reads_weight(parent_class, name):
+        return f"{type_name(parent)}.forward reads its {name}.weight itself (a BSRLinear has no weight)"
     return None
+
+
+@functools.cache
+def _forward_reads_weight(parent: Any, name: str) -> bool:
+    """Whether ``parent``'s forward reads ``self.<name>.weight`` (transformers' T5 feed-forward reads its
+    output layer's weight dtype: the swapped layer would fail at the first forward). Read from its source
+    (none: a builtin or a generated class, taken as not reading it)."""
+    try:
+        source = inspect.getsource(parent.forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(rf"\bself\.{re.escape(name)}\.weight\b", source) is not None
 
 
 def check_selected(
