@@ -305,6 +305,18 @@ def test_errors_name_what_does_not_match(tmp_path):
         load_sparse(MLP, crafted)
     with pytest.raises(ValueError, match=r"expected dtype in \(torch.float32"):
         load_sparse(MLP, path, dtype=torch.float8_e4m3fn)
+    record = read_sparse_metadata(path)
+    record["layers"]["layers.0"]["blocksize"] = [48, 16]
+    save_file(load_file(path), crafted, metadata={"format": "pt", "bsrkit": json.dumps(record)})
+    with pytest.raises(
+        ValueError, match=r"layer 'layers.0' records blocksize \(48, 16\), which does not divide"
+    ):
+        load_sparse(MLP, crafted)
+    with pytest.raises(ValueError, match="expected path to be a safetensors file"):  # (an OSError escaped)
+        load_sparse(MLP, tmp_path)
+    for device in ("cpu:0", torch.device("cpu", 0)):  # (valid torch devices safetensors refused)
+        loaded = load_sparse(MLP, path, device=device)
+        assert torch.equal(loaded.layers[0].values, model.layers[0].values)
 
 
 def _with_layer(model, fqn, layer):

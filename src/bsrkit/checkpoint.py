@@ -153,7 +153,7 @@ def read_sparse_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         with safe_open(os.fspath(path), framework="pt") as f:
             header = f.metadata() or {}
-    except SafetensorError as exc:
+    except (SafetensorError, OSError) as exc:  # (OSError: a directory, an unreadable file)
         raise ValueError(
             f"load_sparse(): expected path to be a safetensors file, got {os.fspath(path)!r}: {exc}"
         ) from exc
@@ -261,6 +261,11 @@ def _swap_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
         weight = module.values if isinstance(module, BSRLinear) else module.weight
         dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
         bo, bi = spec["blocksize"]
+        if want[0] % bo or want[1] % bi:
+            raise ValueError(
+                f"load_sparse(): the checkpoint's layer {fqn!r} records blocksize {(bo, bi)}, which does not "
+                f"divide its (out, in) features {want}"
+            )
         layer = BSRLinear(
             spec["in_features"],
             spec["out_features"],
@@ -433,7 +438,9 @@ def _real_device(device: Any) -> torch.device:
         device = torch.device(device)
         if device.type == "meta":
             raise ValueError("meta holds no data")
-        if device.type != "cpu":
+        if device.type == "cpu":
+            device = torch.device("cpu")  # (cpu:0 is the one CPU; safetensors takes no index there)
+        else:
             torch.empty(0, device=device)  # (a device this process can use: CUDA present, index in range)
     except (RuntimeError, ValueError, TypeError, AssertionError) as exc:
         raise ValueError(
