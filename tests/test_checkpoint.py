@@ -13,7 +13,7 @@ from torch import nn
 pytest.importorskip("safetensors")
 
 import bsrkit
-from bsrkit.checkpoint import load_sparse, read_sparse_metadata, save_sparse
+from bsrkit.checkpoint import _tensors_to_write, load_sparse, read_sparse_metadata, save_sparse
 from bsrkit.nn import BSRLinear
 from bsrkit.sparsify import sparsify_
 from helpers import run_python
@@ -164,6 +164,10 @@ def test_tied_block_sparse_layers_load_tied_even_with_no_stored_block(tmp_path, 
     }
     loaded = load_sparse(Pair, tmp_path / "pair.safetensors")
     assert loaded.a.values is loaded.b.values and loaded.a.col_indices is loaded.b.col_indices
+    # Two empty slices of one buffer are not one tensor: not tied.
+    buffer = torch.zeros(8)
+    _, tied = _tensors_to_write({"x": buffer[:0], "y": buffer[:0], "z": torch.empty(0)})
+    assert tied == {}
 
 
 def test_save_sparse_writes_tied_parameters_once(tmp_path):

@@ -574,15 +574,17 @@ def test_a_repeated_no_grad_call_reruns_its_prepared_call_directly_and_stays_rig
 
 
 def _direct_reruns(monkeypatch) -> list[bool]:
-    """What each call of dispatch.rerun_weight_call_directly returned (True: it reran), from now on."""
+    """Whether each call of dispatch.rerun_weight_call_directly reran (it returned the operand it ran on),
+    from now on."""
     from bsrkit import dispatch
 
     direct: list[bool] = []
     real = dispatch.rerun_weight_call_directly
 
     def counted(*args):
-        direct.append(real(*args))
-        return direct[-1]
+        operand = real(*args)
+        direct.append(operand is not None)
+        return operand
 
     monkeypatch.setattr(dispatch, "rerun_weight_call_directly", counted)
     return direct
@@ -1053,3 +1055,48 @@ def test_a_first_call_in_inference_mode_leaves_later_calls_working(shape):
     with torch.no_grad():
         torch.testing.assert_close(layer(x), expected)
     torch.testing.assert_close(layer(x), expected)  # (values require grad: the differentiable call)
+
+
+def test_one_call_s_output_and_gradients_come_from_one_pattern(monkeypatch):
+    """A thread writing the pattern in place could land between the forward's record of the pattern and
+    its product, then write the old pattern back before the backward: the output came from one pattern,
+    the gradients from the other, silently. The forward now records the (validated) pattern its product
+    ran on, and the backward computes with that one, or refuses a live pattern that differs from it."""
+    from bsrkit import custom_ops
+
+    layer = BSRLinear(64, 32, 8, density=0.5, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(3, 64, requires_grad=True)
+    layer(x).sum().backward()  # (the pattern's plans and prepared calls exist)
+    before = layer.col_indices.clone()
+    real = custom_ops.linear_product
+
+    def written_first(*args, **kwargs):  # (the other thread's write, just before the product)
+        _write_another_pattern_in_place(layer)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(custom_ops, "linear_product", written_first)
+    y = layer(x)
+    monkeypatch.setattr(custom_ops, "linear_product", real)
+    assert_close(y.detach(), _dense_twin(layer)(x.detach()), k=64)  # (the product ran on the new pattern)
+    layer.col_indices.numpy()[:] = before.numpy()  # (written back before the backward)
+    with pytest.raises(RuntimeError, match="written in place between the forward and the backward"):
+        y.sum().backward()
+
+
+def test_a_layer_keeps_two_wrappers_at_most_as_its_pattern_changes():
+    """The eager backward computes on the forward's validated copy of the pattern, a second set of index
+    tensors: a values tensor keeps a wrapper for each (no rebuild every step), never more."""
+    from bsrkit import shortcuts
+
+    layer = BSRLinear(64, 32, 8, density=0.5, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(3, 64, requires_grad=True)
+    for _ in range(6):
+        layer(x).sum().backward()
+        _write_another_pattern_in_place(layer)
+        slots = shortcuts._weights[id(layer.values)][1]
+        assert 1 <= len(slots) <= shortcuts.WEIGHT_SLOTS
+    for _ in range(2):  # (the first steps on the new pattern prepare its calls)
+        layer(x).sum().backward()
+    weight_hits = bsrkit.shortcut_info().weight_hits
+    layer(x).sum().backward()
+    assert bsrkit.shortcut_info().weight_hits == weight_hits + 2  # (forward and backward: kept wrappers)

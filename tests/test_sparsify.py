@@ -9,7 +9,7 @@ from torch import nn
 
 import bsrkit
 from bsrkit.nn import BSRLinear
-from bsrkit.sparsify import break_even_density, sparsify_
+from bsrkit.sparsify import break_even_density, replacement_problem, sparsify_
 from helpers import AttentionBlock
 
 
@@ -298,6 +298,9 @@ def test_a_layer_with_hooks_or_an_instance_forward_stays_dense_and_is_named_when
     assert [r.fqn for r in summary.layers] == ["4"]
     with torch.no_grad():
         torch.testing.assert_close(model(x), before)
+    scaled = nn.Linear(32, 32)
+    scaled.register_buffer("scale", torch.ones(32))  # (extra state, no forward of its own: still refused)
+    assert "holding more than weight and bias (scale)" in replacement_problem(scaled, scaled, "")
     for fqn, why in (("0", "forward pre hooks"), ("2", "forward hooks"), ("3", "its own forward")):
         with pytest.raises(ValueError, match=f"selected '{fqn}', which cannot be block-sparse: .*{why}"):
             sparsify_(model, blocksize=8, density=0.5, filter_fn=lambda m, name, fqn=fqn: name == fqn)

@@ -63,9 +63,14 @@ def _tensors_to_write(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
             raise ValueError(
                 f"save_sparse(): expected strided tensors in the state_dict, got {name!r} {t.layout}"
             )
-        # (an empty tensor has no address of its own, so its storage object names it: tied layers with no
-        # stored block are tied as well)
-        where = t.data_ptr() if t.numel() else ("storage", t.untyped_storage()._cdata, t.storage_offset())
+        # (an empty tensor has no address of its own: one on an empty storage of its own is named by that
+        # storage object, so tied layers with no stored block are tied as well; an empty slice of a buffer
+        # names nothing)
+        own = t.untyped_storage()
+        where = t.data_ptr() if t.numel() else ("storage", own._cdata) if not own.nbytes() else None
+        if where is None:
+            kept[name] = t.contiguous()
+            continue
         alias = (t.device, t.dtype, where, tuple(t.shape), t.stride())
         if alias in seen:
             tied[name] = seen[alias]

@@ -43,12 +43,14 @@ def linear_product(
     M: int,
     K: int,
     transposed: bool,
+    used: list[Operand] | None = None,
 ) -> torch.Tensor:
     r""":math:`y = x W^T + b` (``transposed``: :math:`y = x W`) for the BSR weight :math:`W = ` ``(crow,
     col, values)`` of shape ``(M, K)`` and ``x`` ``(..., K)`` (``(..., M)``); ``y`` is row-major, ``(...,
     M)`` (``(..., K)``). Computes nothing for autograd: :func:`linear` is the differentiable op, and
     :class:`bsrkit.nn.BSRLinear` calls this directly where no gradient is needed (it skips the
-    dispatcher's ~30 µs).
+    dispatcher's ~30 µs). ``used``: a list that receives the operand whose (validated) pattern the product
+    ran on, where one did (:class:`EagerLinear`'s backward computes with that pattern).
 
     The kernel writes :math:`y^T = W x^T` into the transposed view of a row-major ``y`` (its rows: every
     leading index of ``x``): ``x^T`` is a column-major view, read without a copy where ``x``'s rows are
@@ -69,7 +71,8 @@ def linear_product(
         unproven = check_mode()[0]
         try:
             if unproven:  # (the direct rerun: its loop is the whole proof, see bsrkit.shortcuts)
-                done = dispatch.rerun_weight_call_directly(call, values, x, y)
+                a = dispatch.rerun_weight_call_directly(call, values, x, y)
+                done = a is not None
             if not done:
                 # A kept operand with the cheap half of its proof; rerun_prepared (or its loop) proves the
                 # rest before anything derived from the index data is used.
@@ -95,6 +98,8 @@ def linear_product(
             checked = ops.checked_call(_OP, transposed, weight, dense, out)
             if checked is not None:
                 shortcuts.keep_weight_call(calls, signature, checked)
+    if used is not None and a is not None:
+        used.append(a)
     if bias is not None:
         y += bias
     return y
@@ -316,18 +321,27 @@ class EagerLinear(torch.autograd.Function):
         _check_bsr_mm(values, x.mT, M, K, transposed)
         ctx.save_for_backward(crow, col, values, x)
         ctx.shape = (M, K, transposed, bias is not None)
-        # The pattern computed with, for the backward to compare (a write moving no counter torch's saved
-        # tensors see, numpy's or a collective's, would give another matrix's gradient), on the CPU only:
-        # as the products' (a device comparison synchronises).
-        wanted = crow.device.type == "cpu" and any(ctx.needs_input_grad)
-        ctx.pattern = (crow.clone(), col.clone()) if wanted else None
-        return linear_product(crow, col, values, x, bias, M, K, transposed)
+        used: list[Operand] = []
+        y = linear_product(crow, col, values, x, bias, M, K, transposed, used=used)
+        # The pattern computed with, for the backward to compare with the live one (a write moving no
+        # counter torch's saved tensors see, numpy's or a collective's, would give another matrix's
+        # gradient) and then to compute with: on the CPU, the validated copy the product read (a copy
+        # taken before the product could differ from it under a write racing from another thread); a
+        # device comparison would synchronise.
+        ctx.pattern = None
+        if crow.device.type == "cpu" and any(ctx.needs_input_grad):
+            pattern = used[0].pattern if used else None
+            ctx.pattern = pattern.indices if pattern is not None else (crow.clone(), col.clone())
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         saved = ctx.saved_tensors  # (read once: non-reentrant activation checkpointing allows no more)
         if ctx.pattern is not None:
             check_indices_unchanged(ctx.pattern, saved[:2], "BSRLinear", "weight")
+            # (then the pattern the forward ran on, whatever writes the live one from now on: a thread
+            # writing it cannot split one call's output and gradients between two patterns)
+            saved = (*ctx.pattern, *saved[2:])
         return _backward_linear(ctx, grad, saved)
 
 

@@ -249,26 +249,27 @@ def rerun_weight_call(
 
 def rerun_weight_call_directly(
     call: shortcuts.WeightCall, values: torch.Tensor, x: torch.Tensor, y: torch.Tensor
-) -> bool:
+) -> Operand | None:
     """``y = x W^T`` by the prepared call ``call`` remembers (:func:`rerun_weight_call`), by data
-    addresses where it takes them (``rerun.at``): no operand, key, lookup or views; False, computing
-    nothing, when it remembers none or the tuning state changed since. ``values`` are the kept weight's
+    addresses where it takes them (``rerun.at``): no operand, key, lookup or views. Returns the operand
+    whose pattern it ran on; None, computing nothing, when it remembers none or the tuning state changed
+    since. ``values`` are the kept weight's
     (the caller found ``call`` in its table, so the parts and their layouts are those the call was
     prepared with, and ``x``'s and ``y``'s rows are views of their memory: see :mod:`bsrkit.shortcuts`).
     Its loop proves the index data; raises :class:`~bsrkit.shortcuts.StalePattern` when it changed."""
     remembered = call.remembered  # (one read: another thread may replace it)
     if remembered is None:
-        return False
-    _, rerun, known = remembered
+        return None
+    operand, rerun, known = remembered
     state = tuning.resolve_state()
     if known[0] is not state[0] or known[1] is not state[1]:
-        return False
+        return None
     at = rerun.at
     if at is not None:
         shortcuts.proven_in_loop(at(values.data_ptr(), x.data_ptr(), y.data_ptr(), True))
     else:  # (a call that fills a copy of dense from the tensor)
         shortcuts.proven_in_loop(rerun(values, rows(x).mT, rows(y).mT, True))
-    return True
+    return operand
 
 
 def _prove(a: Operand | None) -> None:

@@ -270,8 +270,11 @@ def proven_in_loop(differ: int) -> None:
 
 # -- kept weights -----------------------------------------------------------------------------------------
 
-# id(values) -> (ref to values, crow, col, the three parts' layouts, the wrapper, its checked calls)
+# id(values) -> (ref to values, {(id(crow), id(col)): (crow, col, the three parts' layouts, the wrapper,
+#                                                     its checked calls)})
 _weights: dict[int, tuple[Any, ...]] = {}
+# Index tensors a values tensor keeps a wrapper for: the layer's own and its eager backward's copy.
+WEIGHT_SLOTS = 2
 
 
 def _layouts(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor) -> tuple[Any, ...]:
@@ -292,19 +295,23 @@ def kept_weight(
     are the same objects with the same layouts (see the module's docstring); a new one otherwise. It is
     not validated here: its products validate its pattern (once per pattern). With it, a table of its
     products (:class:`WeightCall`) for the caller to fill, keyed by the other operands' layouts (the
-    weight's is fixed while it is kept), at most :data:`CALLS_PER_PATTERN` (:func:`keep_weight_call`)."""
+    weight's is fixed while it is kept), at most :data:`CALLS_PER_PATTERN` (:func:`keep_weight_call`).
+    A values tensor keeps at most :data:`WEIGHT_SLOTS` of them, by index tensors: a layer's buffers for
+    its forward, and the validated copy its eager backward computes with."""
     layouts = _layouts(crow, col, values)
-    seen = _weights.get(id(values))
-    if (
-        seen is not None
-        and seen[0]() is values
-        and seen[1] is crow
-        and seen[2] is col
-        and seen[3] == layouts
-        and seen[4].shape == size
-    ):
-        _counts[7] += 1
-        return seen[4], seen[5]
+    held = _weights.get(id(values))
+    slot = (id(crow), id(col))
+    if held is not None and held[0]() is values:
+        seen = held[1].get(slot)
+        if (
+            seen is not None
+            and seen[0] is crow
+            and seen[1] is col
+            and seen[2] == layouts
+            and seen[3].shape == size
+        ):
+            _counts[7] += 1
+            return seen[3], seen[4]
     # (parts made under inference mode, e.g. a layer loaded there: a wrapper made outside it could not
     # view them, so it is an inference tensor too, whose accessors work anywhere)
     inference = crow.is_inference() or col.is_inference() or values.is_inference()
@@ -314,9 +321,19 @@ def kept_weight(
         bsr = torch.sparse_bsr_tensor(crow, col, values.detach(), size=size, check_invariants=False)
     calls: dict[Any, WeightCall] = {}
     if not values.is_inference():  # (an inference tensor takes no weak reference)
-        forget = functools.partial(_weights.pop, id(values))  # called as pop(id, ref): see keep_operand
-        # (crow and col held as objects: the layer's buffers, alive as long as it is)
-        _weights[id(values)] = (weakref.ref(values, forget), crow, col, layouts, bsr, calls)
+        if held is None or held[0]() is not values:
+            forget = functools.partial(_weights.pop, id(values))  # called as pop(id, ref): see keep_operand
+            held = (weakref.ref(values, forget), {})
+            _weights[id(values)] = held
+        slots = held[1]
+        slots.pop(slot, None)
+        while len(slots) >= WEIGHT_SLOTS:  # (the oldest goes; another thread may have emptied it)
+            try:
+                slots.pop(next(iter(slots)), None)
+            except (StopIteration, RuntimeError):
+                break
+        # (crow and col held as objects: the layer's buffers, alive as long as it is, or the copies)
+        slots[slot] = (crow, col, layouts, bsr, calls)
     return bsr, calls
 
 

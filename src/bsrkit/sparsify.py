@@ -101,16 +101,16 @@ def replacement_problem(
             return "its weight is parametrized or not a Parameter (remove the parametrization first)"
         if type(module).forward is not nn.Linear.forward or "forward" in vars(module):
             return f"a {type_name(module)} with its own forward (a BSRLinear would drop it)"
+        extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
+        extra += [n for n, _ in module.named_buffers()] + [n for n, _ in module.named_children()]
+        if extra:
+            return f"a {type_name(module)} holding more than weight and bias ({', '.join(extra[:3])})"
     hooks = [kind for kind in _HOOKS if getattr(module, f"_{kind}_hooks", None)]
     if hooks:  # (an nn.Linear's or a Conv1D's: the new layer would not run them)
         return (
             f"it has {' and '.join(h.replace('_', ' ') for h in hooks)} hooks (a BSRLinear would not run "
             "them: remove them, and register them on the new layer after sparsify_)"
         )
-        extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
-        extra += [n for n, _ in module.named_buffers()] + [n for n, _ in module.named_children()]
-        if extra:
-            return f"a {type_name(module)} holding more than weight and bias ({', '.join(extra[:3])})"
     parent_name, _, name = fqn.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     for kind, names in _READ_BY_PARENT:
