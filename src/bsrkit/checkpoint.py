@@ -75,7 +75,7 @@ def _tensors_to_write(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.T
         if alias in seen:
             tied[name] = seen[alias]
             continue
-        storage = (str(t.device), t.untyped_storage().data_ptr())
+        storage = (str(t.device), own.data_ptr())
         if t.numel() and storage in storages:
             t = t.clone(memory_format=torch.contiguous_format)
         elif not t.is_contiguous():
@@ -193,10 +193,8 @@ def read_sparse_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         if not (isinstance(entries, dict) and all(isinstance(v, str) for v in entries.values())):
             raise ValueError(f"{malformed} expected {key!r} to map names to names, got {entries!r}")
     for name, dtype in record["buffer_dtypes"].items():
-        found = getattr(torch, dtype, None)
-        if not (
-            isinstance(found, torch.dtype) and found.is_floating_point
-        ):  # (only floating ones are recorded)
+        found = getattr(torch, dtype, None)  # (save_sparse records floating buffers only)
+        if not (isinstance(found, torch.dtype) and found.is_floating_point):
             raise ValueError(f"{malformed} buffer {name!r} has no floating dtype {dtype!r}")
     return record
 
@@ -368,9 +366,7 @@ def load_sparse(
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"load_sparse(): expected dtype to be a floating torch.dtype or None, got {dtype!r}")
-    if (
-        dtype is not None and dtype not in SUPPORTED_DTYPES
-    ):  # (the products' dtypes: float8 loads, never runs)
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:  # (float8 would load, then never run)
         raise ValueError(f"load_sparse(): expected dtype in {SUPPORTED_DTYPES} or None, got {dtype}")
     record = read_sparse_metadata(path)
     device = _real_device(device)

@@ -281,17 +281,16 @@ def checked_addmm(
             out = dense.new_empty(out_shape)
         else:
             out = torch.empty(out_shape, dtype=out_dtype, device=dense.device)
-    elif may_share_memory(out, dense, None if a is None else a.values):
-        # The kernels read dense and the blocks (where any are read: a's) while writing out: computed in
-        # a temporary and copied in, as numpy's matmul does, so that the operands are read as they were.
-        mark_written(op, "out", out)
-        result = checked_addmm(
-            op, input, bsr, dense, beta=beta, alpha=alpha, out=None, meta=meta, transpose=transpose,
-            left=left, right=right, operand=operand,
-        )  # fmt: skip
-        return out.copy_(result)
     else:
         mark_written(op, "out", out)
+        if may_share_memory(out, dense, None if a is None else a.values):
+            # The kernels read dense and the blocks (where any are read: a's) while writing out: computed
+            # in a temporary and copied in, as numpy's matmul does, so the operands are read as they were.
+            result = checked_addmm(
+                op, input, bsr, dense, beta=beta, alpha=alpha, out=None, meta=meta, transpose=transpose,
+                left=left, right=right, operand=operand,
+            )  # fmt: skip
+            return out.copy_(result)
     if not unproven:
         return dispatch.addmm(
             op, backend, input, a, dense, out, batch, beta, alpha, meta, left, right, checked

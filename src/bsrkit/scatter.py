@@ -266,16 +266,6 @@ def bsr_scatter_mm(
         raise ValueError(f"{op}(): expected a 2-D bsr (no batch dimensions), got shape {tuple(bsr.shape)}")
     if indices_data is None:
         return checked_addmm(op, None, bsr, other, beta=0.0, alpha=1.0, out=out, meta=None)
-    if (
-        isinstance(out, torch.Tensor)
-        and isinstance(other, torch.Tensor)
-        and out.layout is other.layout is torch.strided
-        and may_share_memory(out, other, bsr.values())
-    ):  # (out is zeroed, then accumulated into, while other and the blocks are read: through a temporary)
-        mark_written(op, "out", out)
-        result = bsr_scatter_mm(bsr, other, indices_data)
-        check_out(op, out, result.shape, result.dtype, result.device)
-        return out.copy_(result)
     _check_no_grad(op, bsr=bsr, other=other)
     check_strided(op, "other", other)
     check_same_dtype(op, "other", other, "bsr", bsr)
@@ -293,6 +283,10 @@ def bsr_scatter_mm(
         if out.is_neg():  # (the kernels write memory: the product goes through copy_, which negates)
             return out.copy_(bsr_scatter_mm(bsr, other, indices_data))
         mark_written(op, "out", out)
+        if may_share_memory(out, other, bsr.values()):
+            # (out is zeroed, then accumulated into, while other and the blocks are read: the product goes
+            # through a temporary, the operands read as they were)
+            return out.copy_(bsr_scatter_mm(bsr, other, indices_data))
     if bsr._nnz() == 0 or out.numel() == 0:
         return out.zero_()
     indices_data = _as_tuple(indices_data)
