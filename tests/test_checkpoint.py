@@ -193,6 +193,44 @@ def test_save_sparse_writes_tied_parameters_once(tmp_path):
     assert torch.equal(loaded(tokens), model(tokens))
 
 
+def test_load_sparse_names_a_tied_entry_of_another_shape_or_a_tensor_of_another_kind(tmp_path):
+    """An edited file tying a name to a tensor of another shape, or storing a float tensor as int64, is a
+    ValueError naming the entry (torch's RuntimeError escaped from load_state_dict, or the model loaded
+    and its forward failed)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 32)
+            self.body = nn.Linear(32, 32)
+            self.out = nn.Linear(32, 10, bias=False)
+
+    torch.manual_seed(0)
+    model = Tied()
+    sparsify_(model, blocksize=8, density=0.5, force=True, filter_fn=lambda m, fqn: fqn == "body")
+    path, crafted = tmp_path / "model.safetensors", tmp_path / "crafted.safetensors"
+    save_sparse(model, path)
+    record, tensors = read_sparse_metadata(path), load_file(path)
+    record["tied"] = {"out.weight": "body.bias"}  # (32,) for (10, 32)
+    del tensors["out.weight"]
+    save_file(tensors, crafted, metadata={"format": "pt", "bsrkit": json.dumps(record)})
+    with pytest.raises(ValueError, match=r"ties 'out.weight' to 'body.bias', of shape \(32,\)"):
+        load_sparse(Tied, crafted)
+    tensors = load_file(path)
+    tensors["embed.weight"] = tensors["embed.weight"].long()
+    save_file(tensors, crafted, metadata={"format": "pt", "bsrkit": json.dumps(read_sparse_metadata(path))})
+    with pytest.raises(ValueError, match=r"embed.weight: expected .* kind 'floating' .* got torch.int64"):
+        load_sparse(Tied, crafted)
+    tensors = load_file(path)
+    tensors["body.col_indices"] = tensors["body.col_indices"].float()
+    save_file(tensors, crafted, metadata={"format": "pt", "bsrkit": json.dumps(read_sparse_metadata(path))})
+    with pytest.raises(ValueError, match=r"body.col_indices: expected a tensor of dtype kind 'integer'"):
+        load_sparse(Tied, crafted)
+
+
 def test_sparse_layers_sharing_one_weight_load_sharing_it(tmp_path):
     """Tied linear layers share their blocks after sparsify_; the file holds them once and loading ties
     the layers' blocks and pattern again."""

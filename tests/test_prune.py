@@ -242,3 +242,28 @@ def test_sparse_below_takes_numpy_s_real_numbers():
                 GradualPruner(model, opt, sparse_below=below, **kwargs)
         else:
             assert GradualPruner(model, opt, sparse_below=below, **kwargs)._layers[0].sparse_below == below
+
+
+def test_kept_block_count_rounds_half_up_alike_in_every_pruning():
+    """density * blocks rounded half up, in BSRLinear, from_dense, sparsify_ and GradualPruner alike
+    (Python's round, half to even, kept none of one block at 0.5, and 2 of 5)."""
+    from bsrkit.sparsify import sparsify_
+    from bsrkit.validation import kept_blocks
+
+    assert [kept_blocks(0.5, n) for n in (1, 2, 3, 5)] == [1, 1, 2, 3]
+    assert kept_blocks(0.1, 30) == 3 and kept_blocks(0.0, 7) == 0 and kept_blocks(1.0, 7) == 7
+    torch.manual_seed(0)
+    linear = nn.Linear(40, 8)  # 5 blocks of 8 x 8
+    assert BSRLinear(40, 8, 8, density=0.5).values.shape[0] == 3
+    assert BSRLinear.from_dense(linear, 8, density=0.5).values.shape[0] == 3
+    assert BSRLinear.from_dense(nn.Linear(8, 8), 8, density=0.5).values.shape[0] == 1
+    model = nn.Sequential(nn.Linear(40, 8), nn.ReLU(), nn.Linear(8, 2))
+    sparsify_(model, blocksize=8, density=0.5, force=True)
+    assert model[0].values.shape[0] == 3
+    model = nn.Sequential(nn.Linear(40, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pruner = GradualPruner(
+        model, opt, blocksize=8, target_density=0.5, start_step=0, end_step=1, every=1, sparse_below=None
+    )
+    pruner.step()
+    assert pruner.masks()["0"].sum() == 3

@@ -387,7 +387,8 @@ def load_sparse(
     layers: dict[str, dict[str, Any]] = record["layers"]
     tied: dict[str, str] = record["tied"]
     _swap_layers(model, layers)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    model_state = model.state_dict(keep_vars=True)
+    expected = {name: tuple(t.shape) for name, t in model_state.items()}
     state: dict[str, torch.Tensor] = {}
     saved_dtypes: dict[torch.dtype, int] = {}  # (the file's floating tensors by dtype: the model's is first)
     with _open_for_reading(os.fspath(path), str(device)) as (f, copy):
@@ -405,6 +406,7 @@ def load_sparse(
             if shape != expected[name] and not _resizable(name, layers):
                 raise ValueError(f"load_sparse(): {name}: expected shape {expected[name]}, got {shape}")
             tensor = f.get_tensor(name)
+            _check_kind(name, tensor, model_state[name])
             if tensor.is_floating_point():
                 saved_dtypes[tensor.dtype] = saved_dtypes.get(tensor.dtype, 0) + 1
             if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
@@ -417,7 +419,14 @@ def load_sparse(
             raise ValueError(
                 f"load_sparse(): the checkpoint ties {name!r} to {source!r}, which the model lacks"
             )
+        if state[source].shape != expected[name] and not _resizable(name, layers):
+            raise ValueError(
+                f"load_sparse(): the checkpoint ties {name!r} to {source!r}, of shape "
+                f"{tuple(state[source].shape)}; the model's {name!r} has shape {expected[name]}"
+            )
+        _check_kind(name, state[source], model_state[name])
         state[name] = state[source]
+    del model_state
     _materialise_buffers(model, device, set(state))
     model.load_state_dict(state, strict=True, assign=True)
     del state
@@ -486,6 +495,24 @@ def _open_for_reading(path: str, device: str) -> Iterator[tuple[Any, bool]]:
         handle, copy = safe_open(path, framework="pt", device=device), True
     with handle as f:
         yield f, copy
+
+
+def _check_kind(name: str, stored: torch.Tensor, model_tensor: torch.Tensor) -> None:
+    """Refuse a stored tensor of another kind of dtype than the model's (floating, complex, integer or
+    bool): ``load_state_dict(assign=True)`` would take it, and a forward would fail far from the file."""
+
+    def kind(t: torch.Tensor) -> str:
+        if t.is_floating_point():
+            return "floating"
+        if t.is_complex():
+            return "complex"
+        return "bool" if t.dtype == torch.bool else "integer"
+
+    if kind(stored) != kind(model_tensor):
+        raise ValueError(
+            f"load_sparse(): {name}: expected a tensor of dtype kind {kind(model_tensor)!r} (the model's is "
+            f"{model_tensor.dtype}), got {stored.dtype} in the file"
+        )
 
 
 def _some(names: list[str]) -> str:

@@ -29,6 +29,7 @@ from bsrkit.validation import (
     check_density,
     check_operand_dtypes,
     check_same_device,
+    kept_blocks,
     pattern_defect,
     type_name,
 )
@@ -105,11 +106,11 @@ class BSRLinear(nn.Module):
         self.in_features, self.out_features, self.blocksize = in_features, out_features, (bo, bi)
         # The pattern is drawn on the CPU whatever the default device (under ``torch.device("meta")`` its
         # size could not be read); only the values and the buffers go to ``device``.
-        # (round(density * blocks) of them, at random: the count from_dense and sparsify_ keep)
+        # (kept_blocks(density, blocks) of them, at random: the count from_dense and sparsify_ keep)
         grid = (out_features // bo, in_features // bi)
         chosen = torch.rand(grid, generator=generator, device="cpu").flatten().argsort()
         mask = torch.zeros(grid[0] * grid[1], dtype=torch.bool, device="cpu")
-        mask[chosen[: round(density * mask.numel())]] = True
+        mask[chosen[: kept_blocks(density, mask.numel())]] = True
         mask = mask.reshape(grid)
         bound = 1 / math.sqrt(in_features) if in_features else 0.0
         values = torch.empty((int(mask.sum()), bo, bi), device=device, dtype=dtype).uniform_(
@@ -138,7 +139,8 @@ class BSRLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, blocksize: int | tuple[int, int], density: float) -> BSRLinear:
-        """Prune ``linear`` to the ``round(density * blocks)`` blocks of largest Frobenius norm."""
+        """Prune ``linear`` to the ``kept_blocks(density, blocks)`` blocks of largest Frobenius norm (the
+        count rounded half up)."""
         if not isinstance(linear, nn.Linear):  # (a Conv1D's weight is (in, out): it would be read transposed)
             conv1d = " (transformers' Conv1D stores its weight transposed: sparsify_ converts it)"
             raise TypeError(
@@ -162,7 +164,7 @@ class BSRLinear(nn.Module):
         # (in float32 at least: half norms overflow to inf, and tie, or round; as GradualPruner ranks them)
         norms = blocks.to(torch.promote_types(w.dtype, torch.float32)).pow(2).sum((-1, -2)).flatten()
         # (ties to the lower index, as GradualPruner breaks them: topk's order among equals is arbitrary)
-        keep = norms.argsort(descending=True, stable=True)[: round(density * norms.numel())]
+        keep = norms.argsort(descending=True, stable=True)[: kept_blocks(density, norms.numel())]
         mask = torch.zeros(norms.numel(), dtype=torch.bool, device=w.device)
         mask[keep] = True
         mask = mask.reshape(blocks.shape[:2]).cpu()

@@ -59,7 +59,14 @@ from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
 from bsrkit.regrow import DenseGradient, GradientRecord, RigL, drop_and_grow
 from bsrkit.sparsify import break_even_density, check_selected, default_filter, foreign_holders
-from bsrkit.validation import check_blocksize, check_density, check_size, is_density, type_name
+from bsrkit.validation import (
+    check_blocksize,
+    check_density,
+    check_size,
+    is_density,
+    kept_blocks,
+    type_name,
+)
 
 __all__ = ["GradualPruner", "RigL", "cubic_density"]
 
@@ -310,7 +317,7 @@ class GradualPruner:
                 # (a where, not a check: no device synchronisation).
                 layer.score += torch.where(moved.isfinite(), moved, 0.0)
             new = layer.mask
-            keep = round(density * new.numel())
+            keep = kept_blocks(density, new.numel())
             if keep < layer.kept:
                 score = self._score(layer).masked_fill(~new, -torch.inf)
                 order = score.flatten().argsort(descending=True, stable=True)

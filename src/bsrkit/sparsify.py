@@ -3,7 +3,7 @@
 ``sparsify_(model, blocksize=..., density=...)`` follows torchao's convention (``sparsify_(model, config,
 filter_fn)``, in place, ``filter_fn(module, fqn)``): every selected ``nn.Linear`` (and transformers'
 ``Conv1D``, the GPT-2 family's transposed linear) becomes a :class:`bsrkit.nn.BSRLinear` holding the
-``round(density * blocks)`` blocks of largest Frobenius norm of its weight, its bias unchanged. The
+``density * blocks`` (rounded half up) blocks of largest Frobenius norm of its weight, its bias unchanged. The
 model then computes exactly what a dense model with those pruned weights computes.
 
 A layer is kept dense, unless ``force=True``, where the block-sparse product would be slower than dense on
@@ -282,7 +282,7 @@ def sparsify_(
     force: bool = False,
 ) -> SparsifySummary:
     r"""Replace, in place, each linear layer of ``model`` that ``filter_fn(module, fqn)`` selects by a
-    :class:`~bsrkit.nn.BSRLinear` keeping the ``round(density * blocks)`` blocks of largest
+    :class:`~bsrkit.nn.BSRLinear` keeping the ``density * blocks`` (rounded half up) blocks of largest
     :math:`\|W_{ij}\|_F` (``criterion="block_norm"``, the only one), bias unchanged; returns a
     :class:`SparsifySummary`.
 

@@ -10,6 +10,7 @@ library catches it.
 from __future__ import annotations
 
 import builtins
+import math
 import numbers
 from typing import Any, TypeGuard
 
@@ -272,6 +273,13 @@ def check_size(op: str, name: str, value: Any) -> int:
 def is_density(value: Any) -> TypeGuard[float]:
     """A fraction of blocks: a real number (Python's or numpy's, not a bool) in [0, 1]; NaN is not one."""
     return _is_real(value) and 0 <= value <= 1
+
+
+def kept_blocks(density: float, blocks: int) -> int:
+    """How many of ``blocks`` a pruning to ``density`` keeps: ``density * blocks`` rounded half up (Python's
+    ``round`` rounds half to even: a density of 0.5 kept none of one block, and 2 of 5), the one count
+    ``BSRLinear``, ``sparsify_`` and ``GradualPruner`` share."""
+    return math.floor(density * blocks + 0.5)
 
 
 def check_density(op: str, density: Any, name: str = "density") -> float:
