@@ -414,6 +414,30 @@ def test_meta_device_init_then_assign_load(backend):
     assert explicit.values.is_meta and explicit.bias is not None and explicit.bias.is_meta
 
 
+def test_meta_device_init_then_to_empty_and_reset_parameters(backend):
+    """to_empty() leaves uninitialised buffers (a garbage pattern); reset_parameters() draws a pattern of
+    the layer's block count and nn.Linear's initialisation in place, as nn.Linear's does."""
+    with torch.device("meta"):
+        layer = BSRLinear(64, 48, (16, 8), density=0.4)
+    nnz = layer.values.shape[0]
+    layer.to_empty(device="cpu")
+    values, bias, crow, col = layer.values, layer.bias, layer.crow_indices, layer.col_indices
+    layer.reset_parameters(generator=torch.Generator().manual_seed(1))
+    assert layer.values is values and layer.bias is bias and layer.crow_indices is crow
+    assert layer.col_indices is col and layer.values.shape[0] == nnz and int(crow[-1]) == nnz
+    assert values.abs().max() <= 1 / 8 and bias.abs().max() <= 1 / 8 and values.abs().min() > 0
+    x = torch.randn(5, 64)
+    dense = layer.to_dense()
+    assert_close(layer(x), x @ dense.T + bias, k=64)
+    blocks = (dense.reshape(3, 16, 8, 8).abs().sum((1, 3)) > 0).sum()
+    assert blocks == nnz  # (valid, distinct block columns: to_dense built them)
+    # A second reset draws another pattern (the plans follow the rewritten buffers) of the same count.
+    before = layer.to_dense()
+    layer.reset_parameters(generator=torch.Generator().manual_seed(2))
+    assert not torch.equal(layer.to_dense(), before)
+    assert_close(layer(x), x @ layer.to_dense().T + bias, k=64)
+
+
 # -- the custom ops: opcheck on each, second order (issue 24, item 4) ----------------------------------
 
 

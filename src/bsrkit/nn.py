@@ -69,6 +69,25 @@ def autocast_operands(
     return cast(x), cast(values), None if bias is None else cast(bias)
 
 
+def _random_mask(grid: tuple[int, int], count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``count`` of the ``grid``'s blocks, drawn at random (on the CPU whatever the default device: under
+    ``torch.device("meta")`` the draw could not be read)."""
+    chosen = torch.rand(grid, generator=generator, device="cpu").flatten().argsort()
+    mask = torch.zeros(grid[0] * grid[1], dtype=torch.bool, device="cpu")
+    mask[chosen[:count]] = True
+    return mask.reshape(grid)
+
+
+def _indices_of(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int64 (crow, col) indices of a bool block mask, each in storage of its own."""
+    crow = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device="cpu")
+    crow[1:] = mask.sum(1).cumsum(0)
+    # A copy into its own storage: nonzero() is column-major, so its column 1 is already "contiguous"
+    # at offset nnz of an (nnz, 2) storage, which torch.save would write whole and safetensors refuses.
+    col = mask.nonzero()[:, 1].clone(memory_format=torch.contiguous_format)
+    return crow, col
+
+
 class BSRLinear(nn.Module):
     r""":math:`y = x W^T + b` with :math:`W` (``out_features x in_features``) block-sparse.
 
@@ -108,10 +127,7 @@ class BSRLinear(nn.Module):
         # size could not be read); only the values and the buffers go to ``device``.
         # (kept_blocks(density, blocks) of them, at random: the count from_dense and sparsify_ keep)
         grid = (out_features // bo, in_features // bi)
-        chosen = torch.rand(grid, generator=generator, device="cpu").flatten().argsort()
-        mask = torch.zeros(grid[0] * grid[1], dtype=torch.bool, device="cpu")
-        mask[chosen[: kept_blocks(density, mask.numel())]] = True
-        mask = mask.reshape(grid)
+        mask = _random_mask(grid, kept_blocks(density, grid[0] * grid[1]), generator)
         bound = 1 / math.sqrt(in_features) if in_features else 0.0
         values = torch.empty((int(mask.sum()), bo, bi), device=device, dtype=dtype).uniform_(
             -bound, bound, generator=generator
@@ -128,14 +144,27 @@ class BSRLinear(nn.Module):
 
     def _set_pattern(self, mask: torch.Tensor, values: torch.Tensor) -> None:
         device = values.device
-        crow = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device="cpu")
-        crow[1:] = mask.sum(1).cumsum(0)
-        # A copy into its own storage: nonzero() is column-major, so its column 1 is already "contiguous"
-        # at offset nnz of an (nnz, 2) storage, which torch.save would write whole and safetensors refuses.
-        col = mask.nonzero()[:, 1].clone(memory_format=torch.contiguous_format)
+        crow, col = _indices_of(mask)
         self.register_buffer("crow_indices", crow.to(device))
         self.register_buffer("col_indices", col.to(device))
         self.values = nn.Parameter(values)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        r"""A new random pattern of as many blocks as the layer stores, and the blocks and the bias drawn as
+        ``nn.Linear`` draws them (uniform in :math:`\pm 1/\sqrt{\mathrm{in\_features}}`), written in place:
+        the parameters and buffers stay the same tensors (an optimizer holding them still trains them).
+        The step after ``to_empty()`` in a meta-device initialisation, whose buffers hold uninitialised
+        memory until then."""
+        bo, bi = self.blocksize
+        grid = (self.out_features // bo, self.in_features // bi)
+        crow, col = _indices_of(_random_mask(grid, self.values.shape[0], generator))
+        bound = 1 / math.sqrt(self.in_features) if self.in_features else 0.0
+        with torch.no_grad():
+            self.crow_indices.copy_(crow)
+            self.col_indices.copy_(col)
+            self.values.uniform_(-bound, bound, generator=generator)
+            if self.bias is not None:
+                self.bias.uniform_(-bound, bound, generator=generator)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, blocksize: int | tuple[int, int], density: float) -> BSRLinear:
