@@ -685,3 +685,9 @@ def test_an_init_weights_writing_a_childs_weights_never_overwrites_loaded_ones(t
     assert torch.equal(loaded.attn.c_proj.weight, model.attn.c_proj.weight)
     x = torch.randn(3, 16)
     assert torch.equal(loaded(x), model(x))
+
+
+def test_save_sparse_to_a_directory_names_it(tmp_path):
+    model = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(ValueError, match=r"save_sparse\(\): expected path to name a file, got the dir"):
+        save_sparse(model, tmp_path)  # (safetensors' own error, naming no path, escaped)

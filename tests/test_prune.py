@@ -267,3 +267,51 @@ def test_kept_block_count_rounds_half_up_alike_in_every_pruning():
     )
     pruner.step()
     assert pruner.masks()["0"].sum() == 3
+
+
+def test_argument_errors_name_the_argument():
+    """Bad arguments to the layer, the schedule, drop_and_grow and the pruner's state are errors naming
+    them (torch's errors escaped, or the call was taken: a density above 1, a step of 2.5)."""
+    from bsrkit.regrow import drop_and_grow
+
+    with pytest.raises(ValueError, match=r"BSRLinear\(\): expected in_features >= 0, got -8"):
+        BSRLinear(-8, 8, 4)
+    with pytest.raises(TypeError, match=r"BSRLinear\(\): expected in_features to be an int, got float"):
+        BSRLinear(8.0, 8, 4)
+    with pytest.raises(TypeError, match=r"expected out_features to be an int, got str"):
+        BSRLinear(8, "8", 4)
+    with pytest.raises(TypeError, match=r"expected generator to be a torch.Generator or None, got int"):
+        BSRLinear(8, 8, 4, generator=1)
+    with pytest.raises(ValueError, match=r"BSRLinear.from_dense\(\): expected blocksize \(3, 3\) to divide"):
+        BSRLinear.from_dense(nn.Linear(8, 8), 3, 0.5)
+    with pytest.raises(ValueError, match=r"cubic_density\(\): expected start_step < end_step"):
+        cubic_density(5, 10, 2, 0.2)
+    with pytest.raises(ValueError, match=r"cubic_density\(\): expected target_density in \[0, 1\], got 2.0"):
+        cubic_density(5, 0, 10, 2.0)
+    mask = torch.tensor([[True, False, False, False]])
+    with pytest.raises(ValueError, match=r"drop_and_grow\(\): expected fraction in \[0, 1\], got 2.0"):
+        drop_and_grow(mask, torch.ones(1, 4), torch.ones(1, 4), 2.0)
+    with pytest.raises(ValueError, match=r"expected growth of mask's shape \(1, 4\), got \(1, 2\)"):
+        drop_and_grow(mask, torch.ones(1, 4), torch.ones(1, 2), 0.5)
+    model = _model()
+    pruner = GradualPruner(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), blocksize=8, target_density=0.5, start_step=0,
+        end_step=4, every=1,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match=r"density_at\(\): expected step to be an int, got float"):
+        pruner.density_at(2.5)
+    with pytest.raises(TypeError, match=r"load_state_dict\(\): expected a dict .* got NoneType"):
+        pruner.load_state_dict(None)
+    with pytest.raises(TypeError, match=r"load_state_dict\(\): expected steps to be an int, got str"):
+        pruner.load_state_dict({**pruner.state_dict(), "steps": "x"})
+
+
+def test_densities_are_exact_fractions():
+    """kept / blocks in float64 (it was a float32 mean: 2/7 read 0.2857142984867096)."""
+    model = nn.Sequential(nn.Linear(56, 8))
+    pruner = GradualPruner(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), blocksize=8, target_density=2 / 7, start_step=0,
+        end_step=1, every=1, filter_fn=lambda m, fqn: True,
+    )  # fmt: skip
+    pruner.step()
+    assert pruner.densities() == {"0": 2 / 7}

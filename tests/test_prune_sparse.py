@@ -449,11 +449,47 @@ def test_tied_layers_are_refused_by_name():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="'0' and '2' share one weight"):
         GradualPruner(model, opt, blocksize=8, target_density=0.5, start_step=0, end_step=2, every=1)
-    pruner = GradualPruner(  # one of them selected: allowed
-        model, opt, blocksize=8, target_density=0.5, start_step=0, end_step=2, every=1,
-        filter_fn=lambda m, fqn: fqn == "0",
-    )  # fmt: skip
-    assert list(pruner.densities()) == ["0"]
+    # One of them selected: refused too (the pruner zeroed the other's weight through the shared one, then
+    # put the selected layer's blocks in its place in the optimizer: the other layer trained no more).
+    with pytest.raises(ValueError, match="filter_fn selected '0' but not '2', which shares its weight"):
+        GradualPruner(
+            model, opt, blocksize=8, target_density=0.5, start_step=0, end_step=2, every=1,
+            filter_fn=lambda m, fqn: fqn == "0",
+        )  # fmt: skip
+    assert not model[0]._forward_pre_hooks and not model[0].weight._backward_hooks
+
+
+def test_the_default_filter_leaves_a_layer_tied_to_the_output_head_dense():
+    """A linear layer sharing its weight with the (dense) output head is left out by the default filter,
+    of the pruner and sparsify_ alike: pruning it pruned the head through the shared weight."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.mid, self.lm_head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+            self.lm_head.weight = self.inp.weight
+
+        def forward(self, x):
+            return self.lm_head(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    pruner = GradualPruner(
+        model, opt, blocksize=8, target_density=0.25, start_step=0, end_step=2, every=1, sparse_below=0.3
+    )
+    assert list(pruner.densities()) == ["mid"]
+    x, y = torch.randn(8, 32), torch.randint(0, 32, (8,))
+    for _ in range(3):
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        pruner.step()
+        opt.zero_grad()
+    assert isinstance(model.mid, BSRLinear) and model.lm_head.weight is model.inp.weight
+    assert (model.lm_head.weight != 0).all()
+    other = Tied()
+    summary = bsrkit.sparsify_(other, blocksize=8, density=0.25, force=True)
+    assert [r.fqn for r in summary.layers] == ["mid"] and other.lm_head.weight is other.inp.weight
 
 
 def test_the_pruner_skips_multihead_attentions_out_proj_and_refuses_it_by_name():

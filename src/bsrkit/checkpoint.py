@@ -142,6 +142,10 @@ def save_sparse(
         if b is not None and b.is_floating_point() and n in module._non_persistent_buffers_set
     }
     record = {"format": FORMAT, "layers": layers, "tied": tied, "buffer_dtypes": floating}
+    if os.path.isdir(path):  # (safetensors' own error named no path)
+        raise ValueError(
+            f"save_sparse(): expected path to name a file, got the directory {os.fspath(path)!r}"
+        )
     save_file(
         tensors,
         os.fspath(path),

@@ -29,6 +29,7 @@ from bsrkit.validation import (
     check_density,
     check_operand_dtypes,
     check_same_device,
+    check_size,
     kept_blocks,
     pattern_defect,
     type_name,
@@ -67,6 +68,20 @@ def autocast_operands(
         return t.to(low) if t.is_floating_point() and t.dtype is not torch.float64 else t
 
     return cast(x), cast(values), None if bias is None else cast(bias)
+
+
+def _check_divides(op: str, blocksize: tuple[int, int], features: tuple[int, int]) -> None:
+    if features[0] % blocksize[0] or features[1] % blocksize[1]:
+        raise ValueError(
+            f"{op}: expected blocksize {blocksize} to divide (out_features, in_features) = {features}"
+        )
+
+
+def _check_generator(op: str, generator: Any) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ArgumentTypeError(
+            f"{op}: expected generator to be a torch.Generator or None, got {type_name(generator)}"
+        )
 
 
 def _random_mask(grid: tuple[int, int], count: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -113,15 +128,14 @@ class BSRLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        in_features = check_size("BSRLinear", "in_features", in_features)
+        out_features = check_size("BSRLinear", "out_features", out_features)
         bo, bi = check_blocksize("BSRLinear", blocksize)
         density = check_density("BSRLinear", density)
         if dtype is not None and not dtype.is_floating_point:
             raise ArgumentTypeError(f"BSRLinear(): expected a floating-point dtype, got {dtype}")
-        if out_features % bo or in_features % bi:
-            raise ValueError(
-                f"BSRLinear(): expected blocksize {(bo, bi)} to divide (out_features, in_features) = "
-                f"{(out_features, in_features)}"
-            )
+        _check_generator("BSRLinear()", generator)
+        _check_divides("BSRLinear()", (bo, bi), (out_features, in_features))
         self.in_features, self.out_features, self.blocksize = in_features, out_features, (bo, bi)
         # The pattern is drawn on the CPU whatever the default device (under ``torch.device("meta")`` its
         # size could not be read); only the values and the buffers go to ``device``.
@@ -155,6 +169,7 @@ class BSRLinear(nn.Module):
         the parameters and buffers stay the same tensors (an optimizer holding them still trains them).
         The step after ``to_empty()`` in a meta-device initialisation, whose buffers hold uninitialised
         memory until then."""
+        _check_generator("BSRLinear.reset_parameters()", generator)
         bo, bi = self.blocksize
         grid = (self.out_features // bo, self.in_features // bi)
         crow, col = _indices_of(_random_mask(grid, self.values.shape[0], generator))
@@ -186,6 +201,7 @@ class BSRLinear(nn.Module):
                 "bsrkit.load_sparse)"
             )
         out_f, in_f = w.shape
+        _check_divides("BSRLinear.from_dense()", (bo, bi), (out_f, in_f))
         layer = cls(
             in_f, out_f, (bo, bi), bias=linear.bias is not None, density=0.0, device=w.device, dtype=w.dtype
         )

@@ -58,7 +58,14 @@ from bsrkit import repattern
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
 from bsrkit.regrow import DenseGradient, GradientRecord, RigL, drop_and_grow
-from bsrkit.sparsify import break_even_density, check_selected, default_filter, foreign_holders
+from bsrkit.sparsify import (
+    break_even_density,
+    check_selected,
+    check_ties_whole,
+    default_filter,
+    foreign_holders,
+    selector,
+)
 from bsrkit.validation import (
     check_blocksize,
     check_density,
@@ -73,6 +80,11 @@ __all__ = ["GradualPruner", "RigL", "cubic_density"]
 
 def cubic_density(step: int, start_step: int, end_step: int, target_density: float) -> float:
     """:math:`d_t` of the module docstring: 1 before ``start_step``, ``target_density`` from ``end_step``."""
+    for name, value in (("step", step), ("start_step", start_step), ("end_step", end_step)):
+        check_size("cubic_density", name, value)
+    check_density("cubic_density", target_density, "target_density")
+    if start_step >= end_step:
+        raise ValueError(f"cubic_density(): expected start_step < end_step, got {start_step} and {end_step}")
     if step <= start_step:
         return 1.0
     if step >= end_step:
@@ -209,7 +221,9 @@ class GradualPruner:
         self._layers: list[_Layer] = []
         weights: dict[int, str] = {}
         skipped: list[str] = []
-        for module, fqns in module_places(model).values():
+        chosen: list[tuple[str, nn.Module, list[str]]] = []
+        places = module_places(model).values()
+        for module, fqns in places:
             fqn = fqns[0]
             if not selected(module, fqn):
                 continue
@@ -229,8 +243,9 @@ class GradualPruner:
             if tied != fqn:
                 raise ValueError(
                     f"{op}: {tied!r} and {fqn!r} share one weight (tied), and each layer is pruned on its "
-                    "own: untie them, or select one of them with filter_fn"
+                    "own: untie them, or leave both out with filter_fn"
                 )
+            chosen.append((fqn, module, fqns))
             grid = (out_f // bo, in_f // bi)
             device = module.weight.device
             if sparse_below is None:
@@ -250,6 +265,10 @@ class GradualPruner:
                     grid[0] * grid[1],
                 )
             )
+        # (a selected layer tied to one left out would prune the other's weight, then hold it alone)
+        check_ties_whole(
+            op, selector(filter_fn, (bo, bi)), chosen, places, "untie them, or leave both out with filter_fn"
+        )
         if not self._layers:
             conv = (
                 f"; {len(skipped)} transformers Conv1D layers (GPT-2's, e.g. {skipped[0]!r}) are not pruned "
@@ -276,6 +295,7 @@ class GradualPruner:
     def density_at(self, step: int) -> float:
         """The scheduled density after ``step`` steps: it changes only at the pruning steps
         ``start_step + k * every`` (and ``end_step``)."""
+        check_size("GradualPruner.density_at", "step", step)
         if step >= self.end_step:
             return self.target_density
         if step < self.start_step:
@@ -285,7 +305,7 @@ class GradualPruner:
 
     def densities(self) -> dict[str, float]:
         """Each layer's current block density (kept blocks / blocks)."""
-        return {layer.fqn: layer.mask.float().mean().item() for layer in self._layers}
+        return {layer.fqn: layer.kept / layer.mask.numel() for layer in self._layers}
 
     def masks(self) -> dict[str, torch.Tensor]:
         """Each layer's kept blocks, ``(out / bo, in / bi)`` bool (copies)."""
@@ -434,6 +454,11 @@ class GradualPruner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         names = {layer.fqn for layer in self._layers}
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"GradualPruner.load_state_dict(): expected a dict (GradualPruner.state_dict()), got "
+                f"{type_name(state)}"
+            )
         if set(state.get("masks", {})) != names:
             raise ValueError(
                 f"GradualPruner.load_state_dict(): expected masks for {sorted(names)}, got "
@@ -457,6 +482,7 @@ class GradualPruner:
                     )
                 if what == "mask" and t.dtype is not torch.bool:  # (a float mask would cast to all True)
                     raise ValueError(f"{op}: expected a bool mask for {layer.fqn!r}, got {t.dtype}")
+        check_size("GradualPruner.load_state_dict", "steps", state["steps"])
         self.steps = int(state["steps"])
         self.finalized = bool(state.get("finalized", False))
         sparse = state.get("sparse", {})  # (absent from checkpoints before block-sparse training)

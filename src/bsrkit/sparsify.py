@@ -180,13 +180,18 @@ def _output_head(model: nn.Module) -> nn.Module | None:
 
 def default_filter(blocksize: tuple[int, int], model: nn.Module) -> Callable[[nn.Module, str], bool]:
     """Every ``nn.Linear`` or ``Conv1D`` of ``model`` whose shape the blocksize divides, except the output
-    head (the module ``model.get_output_embeddings()`` returns, or one named ``lm_head``) and the layers
-    a ``BSRLinear`` cannot stand for (:func:`replacement_problem`)."""
+    head (the module ``model.get_output_embeddings()`` returns, or one named ``lm_head``), the layers
+    sharing a weight or bias with it (tied: the head stays dense, so they do too), and the layers a
+    ``BSRLinear`` cannot stand for (:func:`replacement_problem`)."""
     head, holders = _output_head(model), foreign_holders(model)
+    heads = [m for fqn, m in model.named_modules() if m is head or fqn.rsplit(".", 1)[-1] == "lm_head"]
+    head_tensors = {id(t) for m in heads for t in m._parameters.values() if t is not None}
 
     def selected(module: nn.Module, fqn: str) -> bool:
         features = _features(module)
         if features is None or module is head or fqn.rsplit(".", 1)[-1] == "lm_head":
+            return False
+        if any(id(t) in head_tensors for t in module._parameters.values() if t is not None):
             return False
         if features[0] % blocksize[0] or features[1] % blocksize[1]:
             return False
@@ -228,12 +233,17 @@ class SparsifySummary:
         return "\n".join(lines)
 
 
-def _check_ties_whole(
-    chosen: list[tuple[str, nn.Module, list[str]]], places: Iterable[tuple[nn.Module, list[str]]]
+def check_ties_whole(
+    where: str,
+    by: str,
+    chosen: list[tuple[str, nn.Module, list[str]]],
+    places: Iterable[tuple[nn.Module, list[str]]],
+    advice: str = "select both (they stay tied, block-sparse) or neither",
 ) -> None:
     """Refuse a selection holding one of two linear layers that share a weight or a bias (tied): the one
-    made block-sparse would no longer share it with the other, silently. (One a non-linear module holds
-    is :func:`foreign_holders`' concern: it names that module.)"""
+    made block-sparse would no longer share it with the other, silently (and a pruner's zeroed blocks would
+    zero the other's weight). ``where``/``by``: the error's caller and what selected (the filter).
+    (One a non-linear module holds is :func:`foreign_holders`' concern: it names that module.)"""
     picked = {id(m) for _, m, _ in chosen}
     places = list(places)
     for attr in ("weight", "bias"):
@@ -251,9 +261,18 @@ def _check_ties_whole(
             for other_fqn, other in holders.get(id(held), []):
                 if id(other) not in picked:
                     raise ValueError(
-                        f"sparsify_(): filter_fn selected {fqn!r} but not {other_fqn!r}, which shares its "
-                        f"{attr} (tied): select both (they stay tied, block-sparse) or neither"
+                        f"{where}: {by} selected {fqn!r} but not {other_fqn!r}, which shares its {attr} "
+                        f"(tied): {advice}"
                     )
+
+
+def selector(filter_fn: Any, blocksize: tuple[int, int]) -> str:
+    """What selected the layers, as an error names it."""
+    return (
+        "filter_fn"
+        if filter_fn is not None
+        else f"the default filter (blocksize {blocksize[0]}x{blocksize[1]})"
+    )
 
 
 def _as_linear(module: nn.Module) -> nn.Linear:
@@ -313,13 +332,13 @@ def sparsify_(
     chosen = [(fqns[0], m, fqns) for m, fqns in places if selected(m, fqns[0])]
     if not chosen:  # (a silent no-op would serve the dense model as if it were sparse)
         linears = sum(isinstance(m, nn.Linear) or _is_conv1d(m) for m, _ in places)
-        which = "filter_fn" if filter_fn is not None else f"the default filter (blocksize {bo}x{bi})"
+        which = selector(filter_fn, (bo, bi))
         warnings.warn(
             f"sparsify_(): {which} selected none of the model's {linears} linear layers; nothing changed",
             UserWarning,
             stacklevel=2,
         )
-    _check_ties_whole(chosen, places)
+    check_ties_whole("sparsify_()", selector(filter_fn, (bo, bi)), chosen, places)
     reports: list[LayerReport] = []
     dense_weights = stored_weights = 0
     # The first sparse layer built from each weight, by orientation: a later module holding the same
