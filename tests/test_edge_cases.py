@@ -146,3 +146,25 @@ def test_half_attention_is_as_accurate_as_torch(backend, dtype, monkeypatch):
         (q * 80).to(dtype), (k * 80).to(dtype), v.to(dtype), mask, scale=1.0
     )
     assert torch.isfinite(big).all()
+
+
+def test_a_batch_of_size_zero_with_stored_blocks(backend):
+    """A BSR batch of size 0 still has nnz per batch (crow[0, -1] does not exist): the row plan took nnz
+    0, and the backward and attention failed on its shape; q/k/v with no batch element as SDPA."""
+    crow, col = torch.zeros(0, 5, dtype=torch.int64), torch.zeros(0, 16, dtype=torch.int64)
+    values = torch.zeros(0, 16, 8, 8, requires_grad=True)
+    bsr = torch.sparse_bsr_tensor(crow, col, values, size=(0, 32, 32))
+    x = torch.randn(32, 4, requires_grad=True)
+    out = bsrkit.bsr_dense_mm(bsr, x)
+    assert out.shape == (0, 32, 4)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros(32, 4)) and values.grad.shape == values.shape
+    assert bsrkit.bsr_transposed_dense_mm(bsr, x).shape == (0, 32, 4)
+    assert bsrkit.sampled_addmm(bsr.detach(), torch.randn(32, 4), torch.randn(4, 32)).shape == (0, 32, 32)
+    mask = torch.ones(32, 32, dtype=torch.bool).to_sparse_bsr((8, 8))
+    for shape in ((0, 32, 4), (2, 0, 32, 4)):
+        q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+        got = bsrkit.scaled_dot_product_attention(q, k, v, mask)
+        assert got.shape == torch.nn.functional.scaled_dot_product_attention(q, k, v).shape
+        got.sum().backward()
+        assert q.grad.shape == shape

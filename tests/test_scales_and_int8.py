@@ -1,6 +1,8 @@
 """bsr_dense_addmm's row and column scales (left_alpha, right_alpha) and the int8 -> int32 products,
 against the reference on every backend; gradients of the scales in float64."""
 
+import math
+
 import pytest
 import torch
 
@@ -134,3 +136,56 @@ def test_int8_coefficients_wrap_as_torchs_int32_arithmetic():
     assert torch.isfinite(
         bsrkit.bsr_dense_addmm(inp.double(), A.double().to_sparse_bsr(16), dense.double(), alpha=1e39)
     ).all()
+
+
+def test_int8_integer_scales_wrap_as_torchs_int32_arithmetic():
+    """Integer left/right scales multiply in int32 arithmetic, each product wrapped (through float64 the
+    exact 2.8e17 lost its low bits before the wrap: 264515584 for 264515600)."""
+    a = torch.zeros(32, 16, dtype=torch.int8)
+    a[0, :] = 127
+    a[17, 3] = -5
+    bsr, x = a.to_sparse_bsr((16, 16)), torch.full((16, 4), 127, dtype=torch.int8)
+    left = torch.full((32,), 2**30 + 1, dtype=torch.int32)
+    left[17] = -(2**31) + 7
+    right = torch.tensor([2**10 + 1, 1, -3, 2**20], dtype=torch.int64)
+    inp = torch.full((32, 4), 2**31 - 1, dtype=torch.int32)
+
+    def int32(v):
+        return (v + 2**31) % 2**32 - 2**31
+
+    exact = [[sum(int(a[i, k]) * int(x[k, j]) for k in range(16)) for j in range(4)] for i in range(32)]
+    for beta, alpha in ((0, 1), (3, 2**31 - 1)):
+        got = bsrkit._int_bsr_dense_addmm(
+            inp, bsr, x, beta=beta, alpha=alpha, left_alpha=left, right_alpha=right
+        )
+        want = [
+            [
+                int32(int32(exact[i][j] * int(left[i]) * int(right[j]) * alpha) + int32((2**31 - 1) * beta))
+                for j in range(4)
+            ]
+            for i in range(32)
+        ]
+        assert got.dtype == torch.int32 and got.tolist() == want
+    # A floating scale: float64, rounded once to the nearest (3 * 0.5 -> 2, -3 * 0.5 -> -2).
+    half = torch.full((32,), 0.5, dtype=torch.float64)
+    c = torch.zeros(16, 16, dtype=torch.int8)
+    c[0, 0], c[1, 0] = 3, -3
+    got = bsrkit._int_bsr_dense_addmm(
+        torch.zeros(16, 1, dtype=torch.int32), c.to_sparse_bsr(16), torch.ones(16, 1, dtype=torch.int8),
+        left_alpha=half[:16],
+    )  # fmt: skip
+    assert got[:2, 0].tolist() == [2, -2]
+
+
+def test_alpha_zero_reads_no_scale():
+    """alpha == 0 forms no product: an infinite scale does not reach the result (0 * inf was NaN), as
+    torch.addmm and torch's kernel; with nnz == 0 and alpha == 1 the formula's NaN stays."""
+    inp = torch.ones(16, 4)
+    left = torch.ones(16)
+    left[3] = math.inf
+    bsr, x = torch.randn(16, 16).to_sparse_bsr((8, 8)), torch.randn(16, 4)
+    for b in (bsr, torch.zeros(16, 16).to_sparse_bsr((8, 8))):
+        assert torch.equal(bsrkit.bsr_dense_addmm(inp, b, x, beta=1.0, alpha=0.0, left_alpha=left), inp)
+    empty = torch.zeros(16, 16).to_sparse_bsr((8, 8))
+    got = bsrkit.bsr_dense_addmm(inp, empty, x, left_alpha=left)
+    assert got[3].isnan().all() and torch.equal(got[torch.arange(16) != 3], inp[torch.arange(16) != 3])

@@ -115,6 +115,8 @@ def addmm(
     :class:`~bsrkit.shortcuts.StalePattern` when they changed (the caller recomputes: only a product that
     overwrites ``out`` may take the prepared call, so a discarded ``out`` is simply written again).
     """
+    if alpha == 0:  # (no product is formed, as torch.addmm: its scales are not read either)
+        left = right = None
     scaled = left is not None or right is not None or not math.isfinite(alpha)
     # Half types with an input: beta * input is added in float32 and the sum rounded once, as torch
     # (rounded to half first, a product or an input term beyond 65504 was inf where the sum is not).
@@ -309,20 +311,25 @@ def _int8_addmm(
     left: torch.Tensor | None,
     right: torch.Tensor | None,
 ) -> torch.Tensor:
-    """int8 x int8 -> int32 on the float kernels: the product exactly, then the scalars and scales in
-    float64, rounded once into ``out``."""
+    """int8 x int8 -> int32 on the float kernels: the product exactly; then, with integer scales (or
+    none), int32 arithmetic as torch's kernel (each product wrapped to 32 bits); with a floating scale,
+    the scalars and scales in float64, rounded once into ``out``."""
     compute = int8_compute_dtype(dense.shape[-2])
     if a is not None:
         a = a._replace(values=a.values.to(compute))
     product = torch.empty(out.shape, dtype=compute, device=out.device)
     addmm(op, backend, None, a, dense.to(compute), product, batch, 0.0, 1.0, meta)
-    if left is None and right is None:
-        # Integer beta and alpha (|x| < 2**31, checked): int32 arithmetic as torch's, each term wrapped
-        # to 32 bits, in int64 (float64 rounded terms past 2**53: 2**30 + 1 times 2**31 - 1).
+    if not any(s is not None and (s.is_floating_point() or s.is_complex()) for s in (left, right)):
+        # Integer beta, alpha (|x| < 2**31, checked) and scales: int32 arithmetic as torch's, each product
+        # wrapped to 32 bits, in int64 (float64 rounded terms past 2**53: 2**30 + 1 times 2**31 - 1).
         def wrapped(t: torch.Tensor) -> torch.Tensor:
             return t.to(torch.int32).to(torch.int64)
 
-        total = wrapped(wrapped(product.to(torch.int64)) * int(alpha))
+        total = wrapped(product.to(torch.int64))
+        for scale, axis in ((left, -1), (right, -2)):  # (left scales rows, right columns)
+            if scale is not None:
+                total = wrapped(total * wrapped(scale.to(torch.int64)).unsqueeze(axis))
+        total = wrapped(total * int(alpha))
         if input is not None and beta != 0:
             total += wrapped(input.to(torch.int64).expand(out.shape) * int(beta))
         return out.copy_(total)  # (int64 to int32: wraps, as torch's int32 sum)

@@ -157,8 +157,8 @@ class Operand(NamedTuple):
             rows = torch.arange(flat.shape[0], device=flat.device)[:, None]
             gathered = flat[rows, t.perm]  # (B, nnz, Ms, Ks), a copy
             values_t = gathered.reshape(*batch, *gathered.shape[1:]).mT  # blocks (Ks, Ms), column-major
-        crow_t = t.crow.reshape(*batch, -1)
-        col_t = t.col.reshape(*batch, -1)
+        crow_t = t.crow.reshape(*batch, t.crow.shape[-1])  # (not -1: ambiguous with no batch)
+        col_t = t.col.reshape(*batch, t.col.shape[-1])
         return Operand(
             crow_t, col_t, values_t, self.K, self.M, self.source, self.K // Ks if Ks else 0, self.pattern
         )

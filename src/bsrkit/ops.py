@@ -120,7 +120,11 @@ def bsr_dense_addmm(
     differentiable, as are ``input``, ``dense`` and the BSR values.
 
     ``input`` broadcasts to ``(*batch, M, N)``. With ``beta == 0``, ``input`` is ignored (NaN in it does
-    not propagate), as in ``torch.addmm``. int8 ``bsr`` and ``dense`` give an exact int32 result (see
+    not propagate), as in ``torch.addmm``; with ``alpha == 0`` no product is formed (NaN and Inf in the
+    blocks, ``dense`` or the scales do not reach the result). Otherwise non-finite values follow the
+    formula: an infinite scale or ``alpha`` times a zero product is NaN, in rows without stored blocks and
+    with ``nnz == 0`` too (there torch's Triton kernel returns ``beta * input`` without reading the
+    scales). int8 ``bsr`` and ``dense`` give an exact int32 result (see
     :func:`_int_bsr_dense_addmm`). Otherwise as :func:`bsr_dense_mm` (``skip_checks`` and ``max_grid``
     included).
     """
@@ -150,7 +154,10 @@ def _int_bsr_dense_addmm(
     """torch's entry point for int8 products: int8 ``bsr`` times int8 ``dense`` into an int32 ``out``,
     exactly (``beta``, ``alpha`` integers; ``input`` an integer tensor). Computed on the float kernels in a
     floating type wide enough for every partial sum to be exact (float32 while ``K * 128**2 <= 2**24``,
-    else float64), then rounded; ``left_alpha``/``right_alpha`` scale before that rounding."""
+    else float64). Integer ``left_alpha``/``right_alpha`` (or none) then scale in int32 arithmetic, each
+    product wrapping around as in torch's kernel; floating ones scale in float64, and the result is
+    rounded to the nearest integer once (torch's kernel truncates toward zero: 3 * 0.5 gives 2 here, 1
+    there)."""
     return bsr_dense_addmm(
         input, bsr, dense, beta=beta, alpha=alpha, left_alpha=left_alpha, right_alpha=right_alpha,
         out=out, skip_checks=skip_checks, max_grid=max_grid, meta=meta,

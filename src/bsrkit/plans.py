@@ -244,8 +244,8 @@ def _check_indices_from_key(
 
 
 def _build_rows(source: Source) -> torch.Tensor:
-    crow, _ = indices(source)
-    nnz = int(crow[0, -1]) if crow.numel() else 0
+    crow, col = indices(source)
+    nnz = col.shape[-1]  # (crow[0, -1] is none without batches: a batch of size 0 still has nnz)
     # Block g lies in row r where crow[r] <= g < crow[r + 1].
     return torch.searchsorted(
         crow[:, 1:].contiguous(),
