@@ -96,6 +96,24 @@ def test_all_excluded_rows_stay_zero_and_nan_free(path):
     assert torch.equal(out[0], torch.zeros(E)) and not out.isnan().any()
 
 
+def test_an_all_excluded_row_is_nan_where_its_stored_block_holds_an_inf_value(path):
+    """0 times an excluded key's Inf value is NaN in a row with nothing allowed too, on every path, as
+    the reference and torch's SDPA give (the fused loops returned 0 there, and NaN in a row with one
+    allowed entry: the result depended on the path)."""
+    values = torch.ones(1, BS, BS, dtype=torch.bool)
+    values[0, 0, :] = False  # row 0: nothing allowed
+    values[0, 1, 2] = False  # row 1: key 2 excluded
+    mask = torch.sparse_bsr_tensor(torch.tensor([0, 1]), torch.tensor([0]), values, size=(BS, BS))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(BS, E, generator=g) for _ in range(3))
+    v[2, 0] = float("inf")
+    out = bsrkit.scaled_dot_product_attention(q, k, v, mask)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.to_dense())
+    want = reference.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask)
+    assert out[:2, 0].isnan().all() and sdpa[:2, 0].isnan().all() and want[:2, 0].isnan().all()
+    torch.testing.assert_close(out[:, 1:], want[:, 1:].float())
+
+
 def test_double_backward_raises_instead_of_dropping_the_second_order(path):
     # A gradient penalty on dq: the attention's backward has no graph, so it must say so when
     # differentiated again (it returned a dq without a graph: the penalty's gradient was silently 0).

@@ -10,7 +10,8 @@ One program per (batch, block row, row tile): for each stored block ``g`` of the
 
 and at the end :math:`O / \ell` and the row log-sum-exp :math:`m + \log \ell`. The weights are never
 stored: memory beyond the inputs and outputs is the ``(B, L)`` log-sum-exp. A row with no allowed entry
-gives 0 (as the composed path). NaN in ``Q``, ``K`` or ``V`` reaches exactly the rows whose math it
+gives 0, or NaN where a key of its stored blocks has a NaN or Inf value (0 times it, as the composed
+path). NaN in ``Q``, ``K`` or ``V`` reaches exactly the rows whose math it
 reaches: an excluded entry (bias ``-inf``) is set to ``-inf`` whatever its score, and ``exp(NaN - m)`` is
 NaN.
 
@@ -117,7 +118,9 @@ def _attention_forward_kernel(
         m_i = m_new
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
-    out = tl.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
+    # (a row with nothing allowed: acc, 0, or the 0 * inf = NaN an excluded key's Inf value gave, as the
+    # composed path, the reference and torch's SDPA)
+    out = acc / l_safe[:, None]
     # (a NaN row has l_i NaN: "l_i > 0" is False, so keep NaN explicitly, as the math gives)
     out = tl.where((l_i != l_i)[:, None], float("nan"), out)
     tl.store(

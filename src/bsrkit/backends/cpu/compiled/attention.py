@@ -213,7 +213,11 @@ def attention_forward(
                 g = e
             for i in range(Ms):
                 if first or ell[i] == 0.0:
-                    o[i, :] = 0.0
+                    # Nothing allowed: 0, or the 0 * inf = NaN the row's P V formed from an excluded key's
+                    # Inf value (as the composed path, the reference and torch's SDPA); o is unwritten when
+                    # the row visited no block.
+                    if first:
+                        o[i, :] = 0.0
                     lse[b, r * Ms + i] = -np.inf
                 else:
                     inv = 1.0 / ell[i]
