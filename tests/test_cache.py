@@ -786,3 +786,39 @@ def test_a_sparse_value_aliasing_its_argument_is_refused_and_a_storage_less_argu
     table = weak_lru_cache(maxsize=None)(lambda t: torch.zeros(3))
     argument = Wrapper(torch.randn(4))
     assert torch.equal(table(argument), torch.zeros(3)) and torch.equal(table(argument), torch.zeros(3))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_namedtuple_argument_reaches_the_function_as_one_and_is_another_call(verify):
+    Pair = collections.namedtuple("Pair", "a b")
+    calls = []
+
+    @weak_lru_cache(maxsize=8, verify_contents=verify)
+    def f(p):
+        calls.append(type(p))
+        return p.a * 2 if isinstance(p, Pair) else p[0] * 3
+
+    x = torch.ones(2)
+    assert torch.equal(f(Pair(x, 1)), 2 * x)  # (verify_contents rebuilt it as a plain tuple: p.a failed)
+    assert torch.equal(f((x, 1)), 3 * x)  # (equal to Pair(x, 1) as a key: the namedtuple's result served)
+    assert calls == [Pair, tuple]
+
+
+def test_a_hashable_argument_holding_a_tensor_is_refused():
+    """Keyed by its hash (its identity), the tensor inside was neither keyed nor proven: a write to it was
+    served the old result (and a frozenset's entry kept its tensor alive)."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Box:
+        t: torch.Tensor
+
+    @weak_lru_cache(maxsize=8)
+    def f(v):
+        return 1
+
+    t = torch.ones(2)
+    for value in (Box(t), frozenset([t]), torch.nn.Linear(2, 2)):
+        with pytest.raises(TypeError, match=r"argument #0 \(\w+\) holds a tensor or array that its hash"):
+            f(value)
+    assert f(torch.float32) == f("x") == f(np.float64(2.0)) == f(Box) == 1  # (hashables without arrays)

@@ -168,3 +168,39 @@ def test_a_batch_of_size_zero_with_stored_blocks(backend):
         assert got.shape == torch.nn.functional.scaled_dot_product_attention(q, k, v).shape
         got.sum().backward()
         assert q.grad.shape == shape
+
+
+@pytest.mark.parametrize(
+    ("op", "released"),
+    [
+        ("mm", "dense"), ("mm", "values"), ("mm_one_column", "dense"), ("mm_one_column", "values"),
+        ("transposed", "dense"), ("scatter", "values"), ("scatter", "dense"), ("mm", "col"),
+        ("layer", "values"), ("layer", "input"),
+    ],
+)  # fmt: skip
+def test_an_operand_whose_storage_was_released_is_an_error_not_a_crash(backend, op, released):
+    """A storage released after a first product (untyped_storage().resize_(0), as FSDP and offloading do)
+    is a RuntimeError, as torch.mm says of it: the loops read address 0 (a segfault), the index snapshot
+    read past the storage."""
+    torch.manual_seed(0)
+    bsr = torch.randn(32, 32).relu().to_sparse_bsr(8)
+    x = torch.randn(32, 4)
+    layer = BSRLinear(32, 32, 8, density=0.5)
+    inp = torch.randn(3, 32)
+    run = {
+        "mm": lambda: bsrkit.bsr_dense_mm(bsr, x),
+        "mm_one_column": lambda: bsrkit.bsr_dense_mm(bsr, x[:, :1]),
+        "transposed": lambda: bsrkit.bsr_transposed_dense_mm(bsr, x),
+        "scatter": lambda: bsrkit.bsr_scatter_mm(bsr, x, bsrkit.bsr_scatter_mm_indices_data(bsr, x)),
+        "layer": lambda: layer(inp),
+    }[op]
+    with torch.no_grad():
+        for _ in range(3):  # (checks, prepares, reruns the prepared call)
+            run()
+        tensor = {
+            "dense": x, "values": layer.values if op == "layer" else bsr.values(), "col": bsr.col_indices(),
+            "input": inp,
+        }[released]  # fmt: skip
+        tensor.untyped_storage().resize_(0)
+        with pytest.raises(RuntimeError, match="not allocated|requiring a storage size"):
+            run()

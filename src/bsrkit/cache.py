@@ -389,7 +389,12 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
             raise ValueError("weak_lru_cache: a TensorKey argument of a dead tensor")
         return fn(obj)
     if isinstance(value, tuple):
-        return tuple(_map_tensors(v, fn) for v in value)
+        items = [_map_tensors(v, fn) for v in value]
+        kind = type(value)
+        if kind is tuple:
+            return tuple(items)
+        make = getattr(kind, "_make", None)  # (a namedtuple reaches the function as one)
+        return make(items) if make is not None else kind(items)
     if isinstance(value, dict):
         return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
@@ -470,6 +475,10 @@ def weak_lru_cache(
 
     A caller that has built the :class:`TensorKey` of a live tensor may pass the key in the tensor's
     place (the function then receives the key, ``key.obj`` the tensor; with ``verify_contents`` the copy).
+    Tensors may also come inside tuples (a namedtuple reaches the function as itself, and is not the
+    call of a plain tuple); any other argument is keyed by its hash and type, so one holding a tensor or
+    array (a frozen dataclass, a frozenset, a module) is a ``TypeError``: its hash would not follow the
+    tensor's data.
 
     The wrapper has ``cache_info()`` -> :class:`CacheInfo` ``(hits, misses, maxsize, currsize, nbytes,
     dead_evictions, stale)``, ``cache_clear()`` and ``__wrapped__``. Concurrent calls with the same key

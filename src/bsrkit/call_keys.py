@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from bsrkit.cached_values import value_arrays
 from bsrkit.keys import TensorKey
 from bsrkit.validation import type_name
 
@@ -57,7 +58,8 @@ def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) 
     if type(value) is TensorKey:
         return _given_key(value, name, keys, version)
     if isinstance(value, tuple):
-        return tuple(_key_part(v, (name, i), keys, version) for i, v in enumerate(value))
+        parts = tuple(_key_part(v, (name, i), keys, version) for i, v in enumerate(value))
+        return parts if type(value) is tuple else (type(value), parts)  # (a namedtuple is another call)
     try:
         hash(value)
     except TypeError:
@@ -65,7 +67,18 @@ def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) 
             f"weak_lru_cache: argument {_describe(name)} must be a tensor or hashable, "
             f"got unhashable {type_name(value)}"
         ) from None
+    if not isinstance(value, _PLAIN) and any(not isinstance(a, bytes) for a in value_arrays(value)):
+        # (keyed by its hash, its identity for most objects, the tensor inside would be neither keyed nor
+        # proven: a write to it was served the old result, and the entry outlived its memory)
+        raise TypeError(
+            f"weak_lru_cache: argument {_describe(name)} ({type_name(value)}) holds a tensor or array that "
+            "its hash does not follow: pass tensors as arguments, or inside tuples"
+        )
     return _other_part(value)
+
+
+# Hashable values that hold no array (value_arrays is not asked).
+_PLAIN = (str, bytes, numbers.Number, torch.dtype, torch.device, type)
 
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})

@@ -216,6 +216,12 @@ class Snapshot:
             if storage.device.type == "meta":  # (a fake tensor: no data either)
                 continue
             start, nbytes = byte_span(t)
+            if storage.nbytes() < start + nbytes:  # (released or shrunk: reading it would leave the memory)
+                raise RuntimeError(
+                    f"bsrkit: a tensor of shape {tuple(t.shape)} views bytes {start} to {start + nbytes} "
+                    f"of a storage of {storage.nbytes()} bytes (released or resized, e.g. by "
+                    "untyped_storage().resize_()): its data is not allocated"
+                )
             if storage.device.type == "cpu":
                 where[-1] = ("host", len(host))
                 host.append(_host_region(storage, start, nbytes))

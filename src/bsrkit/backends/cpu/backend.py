@@ -118,9 +118,18 @@ def _blas_operand(t: torch.Tensor, row_major_only: bool = False) -> tuple[torch.
     return t, layout[0], layout[1]
 
 
+def _data_address(t: torch.Tensor) -> int:
+    """Address of ``t``'s element 0 (:func:`_base_address`'s check)."""
+    return _base_address(t) + int(t.storage_offset()) * t.element_size()
+
+
 def _base_address(t: torch.Tensor) -> int:
-    """Address of element 0 of ``t``'s storage (offsets are passed per batch, in elements)."""
-    return int(t.data_ptr() - t.storage_offset() * t.element_size())
+    """Address of element 0 of ``t``'s storage (offsets are passed per batch, in elements); a
+    ``RuntimeError`` for a storage released (address 0: the loops would read or write there)."""
+    base = int(t.data_ptr() - t.storage_offset() * t.element_size())
+    if not base and t.numel():
+        raise running.released(0, names=("operand",))
+    return base
 
 
 @functools.cache
@@ -385,7 +394,7 @@ class CpuBackend:
             a_rs=mat1.stride(-2), a_rowmajor=a_rowmajor, lda=lda,
             b_addr=_base_address(mat2), b_boff=_batch_offsets(mat2, mat2.ndim - 2, batch),
             b_cs=mat2.stride(-1), b_rowmajor=b_rowmajor, ldb=ldb,
-            c_addr=out.data_ptr(), Ms=Ms, Ns=Ns, K=mat1.shape[-1], alpha=alpha,
+            c_addr=_data_address(out), Ms=Ms, Ns=Ns, K=mat1.shape[-1], alpha=alpha,
             isz_ab=mat1.element_size(), isz_c=out.element_size(),
         )  # fmt: skip
         _run(kernel, nthreads, args)
@@ -455,7 +464,7 @@ class CpuBackend:
         args = Args(
             kind=_KINDS[accumulators.dtype], tiles=plan.tiles, pairs=plan.pairs, tasks=plan.tasks,
             cum=plan.cost, nbatch=math.prod(batch), nthreads=nthreads,
-            a_addr=blocks.data_ptr(), a_gs=blocks.stride(0), a_rowmajor=a_rowmajor, lda=lda,
+            a_addr=_data_address(blocks), a_gs=blocks.stride(0), a_rowmajor=a_rowmajor, lda=lda,
             b_addr=_base_address(others), b_boff=b_boff, b_moff=b_moff, b_rs=others.stride(-2),
             b_cs=others.stride(-1), b_rowmajor=b_rowmajor, ldb=ldb,
             c_addr=_base_address(target), c_boff=c_boff, c_moff=c_moff, c_rs=target.stride(-2),

@@ -41,6 +41,16 @@ if hasattr(os, "register_at_fork"):
 Rerun = Callable[..., Any]
 
 
+def released(*bases: int, names: tuple[str, ...] = ("blocks", "dense operand", "output")) -> RuntimeError:
+    """The error for an operand whose storage holds no data (its base address is 0: released, as FSDP and
+    offloading do with ``untyped_storage().resize_(0)``): the loop would read or write address 0."""
+    which = " and ".join(name for name, base in zip(names, bases, strict=False) if not base)
+    return RuntimeError(
+        f"bsrkit: the {which} has a non-zero number of elements, but its data is not allocated (its storage "
+        "was released, e.g. by untyped_storage().resize_(0))"
+    )
+
+
 def prepared(
     kernel: Any,
     full_args: Any,
@@ -67,6 +77,7 @@ def prepared(
     values_at = values.data_ptr() - a_addr
     dense_at = dense.data_ptr() - b_addr if fill is None else None  # (None: the kept copy's, b_addr)
     out_offset = out.data_ptr() - c_addr
+    dense_offset = int(dense.storage_offset()) * dense.element_size()  # (a filled call's check of dense)
     proof = getattr(full_args, "proof", None)
     # (a memoryview: item access ~3x cheaper than numpy's)
     flag = memoryview(proof) if proof is not None and full_args.crow_live != 0 else None
@@ -85,16 +96,22 @@ def prepared(
         if flag is not None:  # (the common decode call: fewest branches)
 
             def at(a_addr: int, b_addr: int, c_addr: int, prove: bool = False) -> int:
+                a, b, c = a_addr - values_at, b_addr - d_at, c_addr - out_offset
+                if not (a and b and c):
+                    raise released(a, b, c)
                 with KERNEL_LOCK:
                     flag[0] = prove
-                    c_call(address, a_addr - values_at, b_addr - d_at, c_addr - out_offset)
+                    c_call(address, a, b, c)
                     return flag[1]
 
         else:
 
             def at(a_addr: int, b_addr: int, c_addr: int, prove: bool = False) -> int:
+                a, b, c = a_addr - values_at, b_addr - d_at, c_addr - out_offset
+                if not (a and b and c):
+                    raise released(a, b, c)
                 with KERNEL_LOCK:
-                    c_call(address, a_addr - values_at, b_addr - d_at, c_addr - out_offset)
+                    c_call(address, a, b, c)
                     return 0
 
         at.keep = (block, full_args)  # type: ignore[attr-defined]  # (what the block addresses)
@@ -103,7 +120,10 @@ def prepared(
         patch, run_prepared = kernels.data_patcher(full_args), kernel.run_prepared
 
         def at(a_addr: int, b_addr: int, c_addr: int, prove: bool = False) -> int:
-            args = patch(a_addr - values_at, b_addr - d_at, c_addr - out_offset)
+            a, b, c = a_addr - values_at, b_addr - d_at, c_addr - out_offset
+            if not (a and b and c):
+                raise released(a, b, c)
+            args = patch(a, b, c)
             with KERNEL_LOCK:
                 if flag is not None:
                     flag[0] = prove
@@ -123,6 +143,9 @@ def prepared(
 
         def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, prove: bool = False) -> int:
             a_addr, c_addr = values.data_ptr() - values_at, out.data_ptr() - out_offset
+            d = dense.data_ptr() - dense_offset  # (fill copies dense with torch's copy_, which crashes on 0)
+            if not (a_addr and d and c_addr):
+                raise released(a_addr, d, c_addr)
             with KERNEL_LOCK:
                 assert fill is not None
                 fill(dense)
@@ -137,7 +160,11 @@ def prepared(
         patch, run_prepared = kernels.data_patcher(full_args), kernel.run_prepared
 
         def rerun(values: torch.Tensor, dense: torch.Tensor, out: torch.Tensor, prove: bool = False) -> int:
-            args = patch(values.data_ptr() - values_at, b_addr, out.data_ptr() - out_offset)
+            a_addr, c_addr = values.data_ptr() - values_at, out.data_ptr() - out_offset
+            d = dense.data_ptr() - dense_offset
+            if not (a_addr and d and c_addr):
+                raise released(a_addr, d, c_addr)
+            args = patch(a_addr, b_addr, c_addr)
             with KERNEL_LOCK:
                 assert fill is not None
                 fill(dense)
