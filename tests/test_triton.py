@@ -243,3 +243,25 @@ def test_num_warps_must_be_a_power_of_two_and_bfloat16_is_refused_on_cpu():
         bsrkit.bsr_dense_mm(bsr, x, meta={"num_warps": 3})
     with pytest.raises(ValueError, match="has no bfloat16 on CPU tensors"):
         bsrkit.bsr_dense_mm(bsr.to(torch.bfloat16), x.to(torch.bfloat16))
+
+
+def test_the_interpreter_set_after_triton_was_imported_is_named():
+    """TRITON_INTERPRET=1 set after `import triton` (another library imported it first): Triton's own
+    language functions are compiled functions then, and the kernels failed with an opaque InterpreterError;
+    the backend names the cause instead."""
+    pytest.importorskip("triton")
+    script = (
+        "import os, json, warnings\n"
+        "warnings.filterwarnings('ignore')\n"
+        "import triton, torch\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "os.environ['BSRKIT_BACKEND'] = 'triton'\n"
+        "import bsrkit\n"
+        "try:\n"
+        "    bsrkit.bsr_dense_mm(torch.ones(32, 32).to_sparse_bsr(16), torch.randn(32, 4))\n"
+        "    print(json.dumps('ran'))\n"
+        "except Exception as e:\n"
+        "    print(json.dumps(type(e).__name__ + ': ' + str(e)))\n"
+    )
+    got = run_python(script, env={"TRITON_INTERPRET": None, "BSRKIT_BACKEND": None}, timeout=300).json()
+    assert got.startswith("ValueError") and "set before triton is first imported" in got, got

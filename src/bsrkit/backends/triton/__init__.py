@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -49,6 +50,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _interpreted_language() -> bool:
+    """Whether Triton's own language functions were made for the interpreter: ``TRITON_INTERPRET=1`` set
+    before triton was first imported (set later, the kernels fail with an opaque InterpreterError)."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is None:
+        return True  # (triton is imported after this check, with the variable as it is now)
+    return type(getattr(standard, "sum", None)).__name__ != "JITFunction"
+
+
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -78,6 +88,8 @@ class TritonBackend:
             return ["needs the triton package (bsrkit[triton])"]
         if device.type == "cpu" and not interpreting():
             return ["on CPU tensors needs TRITON_INTERPRET=1 (Triton's interpreter)"]
+        if device.type == "cpu" and not _interpreted_language():
+            return ["on CPU tensors needs TRITON_INTERPRET=1 set before triton is first imported"]
         if device.type == "cpu" and dtype is torch.bfloat16 and kernel != "softmax":
             return ["has no bfloat16 on CPU tensors (Triton's interpreter computes bfloat16 dots wrongly)"]
         if device.type not in ("cpu", "cuda"):
