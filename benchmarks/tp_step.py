@@ -25,15 +25,17 @@ import torch.distributed as dist
 from bsrkit import custom_ops
 from bsrkit.distributed import BlockRowParallelBSRLinear
 from bsrkit.nn import BSRLinear
+from bsrkit.validation import kept_blocks
 
 warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta state")
 
 
 def skewed_layer(n: int, blocksize: int, density: float, skew: float, seed: int) -> BSRLinear:
-    """An n x n BSRLinear with round(density * blocks) blocks, the fraction ``skew`` in the top half rows."""
+    """An n x n BSRLinear with kept_blocks(density, blocks) blocks, the fraction ``skew`` in the top half
+    rows."""
     g = torch.Generator().manual_seed(seed)
     nb = n // blocksize
-    total = round(density * nb * nb)
+    total = kept_blocks(density, nb * nb)
     top = round(skew * total)
     half = nb // 2 * nb  # blocks in the top half of the block rows
     keep = torch.cat(

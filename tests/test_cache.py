@@ -804,6 +804,20 @@ def test_a_namedtuple_argument_reaches_the_function_as_one_and_is_another_call(v
     assert calls == [Pair, tuple]
 
 
+def test_a_tuple_subclass_with_its_own_constructor_reaches_the_function_as_itself():
+    class Dims(tuple):
+        def __new__(cls, *dims):
+            return super().__new__(cls, dims)
+
+    @weak_lru_cache(maxsize=8, verify_contents=True)
+    def f(x, dims):
+        return (type(dims), tuple(dims), type(x))
+
+    x = torch.ones(2)
+    assert f(x, Dims(2, 3)) == (Dims, (2, 3), torch.Tensor)  # (it became Dims([2, 3]): ([2, 3],))
+    assert f(x, (Dims(2, 3), x))[1][0] == Dims(2, 3)
+
+
 def test_a_hashable_argument_holding_a_tensor_is_refused():
     """Keyed by its hash (its identity), the tensor inside was neither keyed nor proven: a write to it was
     served the old result (and a frozenset's entry kept its tensor alive)."""

@@ -252,6 +252,13 @@ def test_kept_block_count_rounds_half_up_alike_in_every_pruning():
 
     assert [kept_blocks(0.5, n) for n in (1, 2, 3, 5)] == [1, 1, 2, 3]
     assert kept_blocks(0.1, 30) == 3 and kept_blocks(0.0, 7) == 0 and kept_blocks(1.0, 7) == 7
+    # (of the decimal the density prints as: the float products 14.499999999999998 and 31.499999999999996
+    # rounded down, and floor(x + 0.5) took 0.49999999999999994 of one block as one)
+    assert (
+        kept_blocks(0.29, 50) == 15
+        and kept_blocks(0.7, 45) == 32
+        and kept_blocks(0.49999999999999994, 1) == 0
+    )
     torch.manual_seed(0)
     linear = nn.Linear(40, 8)  # 5 blocks of 8 x 8
     assert BSRLinear(40, 8, 8, density=0.5).values.shape[0] == 3
@@ -291,6 +298,8 @@ def test_argument_errors_name_the_argument():
     mask = torch.tensor([[True, False, False, False]])
     with pytest.raises(ValueError, match=r"drop_and_grow\(\): expected fraction in \[0, 1\], got 2.0"):
         drop_and_grow(mask, torch.ones(1, 4), torch.ones(1, 4), 2.0)
+    with pytest.raises(TypeError, match=r"drop_and_grow\(\): expected magnitude to be a tensor, got list"):
+        drop_and_grow(mask, [1.0], torch.ones(1, 4), 0.5)
     with pytest.raises(ValueError, match=r"expected growth of mask's shape \(1, 4\), got \(1, 2\)"):
         drop_and_grow(mask, torch.ones(1, 4), torch.ones(1, 2), 0.5)
     model = _model()

@@ -457,6 +457,17 @@ def test_tied_layers_are_refused_by_name():
             filter_fn=lambda m, fqn: fqn == "0",
         )  # fmt: skip
     assert not model[0]._forward_pre_hooks and not model[0].weight._backward_hooks
+    # A shared bias is no tie for the pruner (it never replaces a bias): the bias stays shared.
+    c, d = nn.Linear(16, 16), nn.Linear(16, 16)
+    d.bias = c.bias
+    model = nn.Sequential(c, nn.ReLU(), d)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pruner = GradualPruner(
+        model, opt, blocksize=8, target_density=0.5, start_step=0, end_step=1, every=1, sparse_below=1.0,
+        filter_fn=lambda m, fqn: fqn == "0",
+    )  # fmt: skip
+    pruner.step()
+    assert isinstance(model[0], BSRLinear) and model[0].bias is model[2].bias
 
 
 def test_the_default_filter_leaves_a_layer_tied_to_the_output_head_dense():

@@ -31,8 +31,9 @@ attend it, as the math does; an entry a mask excludes stays excluded whatever it
 ``value`` reaches the output of every row whose stored blocks hold its key, allowed or not: the excluded
 entries of a stored block weigh it by an exact 0, and 0 * Inf is NaN (torch's SDPA weighs every key so,
 and gives NaN in every row), a row with no allowed entry included; so does NaN or Inf in ``key`` reach
-those rows' ``query`` gradient. The fused CPU loops differ in what they skip whole: blocks ``is_causal``
-excludes entirely, which the composed path reads. Under
+those rows' ``query`` gradient. The fused CPU loops differ in what they skip whole: stored blocks with
+no allowed entry (a bool block all False, or one ``is_causal`` hides), which the composed path and the
+Triton kernel read. Under
 ``torch.compile`` this runs eagerly (a graph break around the compiled loops).
 """
 
@@ -127,7 +128,8 @@ def scaled_dot_product_attention(
     * ``is_causal``: also exclude key ``j > i`` for query ``i`` (top-left aligned, torch's convention);
       it combines with the mask.
     * A query row with no allowed entry gives 0 (not NaN), and gradient 0, unless a key of its stored
-      blocks has a NaN or Inf value (0 times it is NaN, as in torch's SDPA).
+      blocks has a NaN or Inf value (0 times it is NaN, as in torch's SDPA; the fused CPU loops skip the
+      blocks with no allowed entry at all).
     * ``dropout_p``: dropout of the attention weights as in torch (kept weights scaled by
       :math:`1/(1-p)`; applied whenever ``dropout_p > 0``).
     * ``scale``: :math:`s`, default :math:`1/\sqrt{E}`.

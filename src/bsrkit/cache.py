@@ -393,8 +393,11 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         kind = type(value)
         if kind is tuple:
             return tuple(items)
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value  # (a tuple subclass holding no tensor reaches the function as itself)
         make = getattr(kind, "_make", None)  # (a namedtuple reaches the function as one)
-        return make(items) if make is not None else kind(items)
+        # (another subclass: its own __new__ may take other arguments than an iterable)
+        return make(items) if make is not None else tuple.__new__(kind, items)
     if isinstance(value, dict):
         return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value

@@ -21,6 +21,7 @@ import torch
 
 from bsrkit.benchmarking import median_seconds, random_bsr_weight, streamed_copies
 from bsrkit.environment import flag
+from bsrkit.validation import kept_blocks
 
 __all__ = ["main"]
 
@@ -414,7 +415,7 @@ def _tune_shapes(
         # computes nothing, and stored its noise)
         grid = (M // Ms) * (K // Ks)
         mask = torch.zeros(grid, dtype=torch.bool)
-        mask[torch.randperm(grid, generator=g)[: max(1, round(args.density * grid))]] = True
+        mask[torch.randperm(grid, generator=g)[: max(1, kept_blocks(args.density, grid))]] = True
         mask = mask.reshape(M // Ms, K // Ks)
         full = mask.repeat_interleave(Ms, 0).repeat_interleave(Ks, 1)
         bsr = (torch.randn((M, K), generator=g) * full).to(dtype).to_sparse_bsr((Ms, Ks)).to(device)

@@ -266,9 +266,10 @@ class GradualPruner:
                 )
             )
         # (a selected layer tied to one left out would prune the other's weight, then hold it alone)
-        check_ties_whole(
-            op, selector(filter_fn, (bo, bi)), chosen, places, "untie them, or leave both out with filter_fn"
-        )
+        check_ties_whole(  # (weights only: the pruner never replaces a bias, so a shared one stays shared)
+            op, selector(filter_fn, (bo, bi)), chosen, places, "untie them, or leave both out with filter_fn",
+            attrs=("weight",),
+        )  # fmt: skip
         if not self._layers:
             conv = (
                 f"; {len(skipped)} transformers Conv1D layers (GPT-2's, e.g. {skipped[0]!r}) are not pruned "

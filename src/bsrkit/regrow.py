@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bsrkit.validation import check_density, type_name
+from bsrkit.validation import ArgumentTypeError, check_density, type_name
 
 __all__ = ["DenseGradient", "GradientRecord", "RigL", "drop_and_grow"]
 
@@ -82,12 +82,14 @@ def drop_and_grow(
     blocks of smallest ``magnitude`` dropped, as many blocks outside ``mask`` of largest ``growth`` grown
     (fewer when fewer are outside). Ties go to the lower block index (row-major)."""
     fraction = check_density("drop_and_grow", fraction, "fraction")  # (above 1 it grew more than it dropped)
-    if not isinstance(mask, torch.Tensor) or mask.dtype is not torch.bool:
-        what = mask.dtype if isinstance(mask, torch.Tensor) else type_name(mask)
-        raise ValueError(f"drop_and_grow(): expected mask to be a bool tensor, got {what}")
+    for name, t in (("mask", mask), ("magnitude", magnitude), ("growth", growth)):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentTypeError(f"drop_and_grow(): expected {name} to be a tensor, got {type_name(t)}")
+    if mask.dtype is not torch.bool:
+        raise ValueError(f"drop_and_grow(): expected mask to be a bool tensor, got {mask.dtype}")
     for name, t in (("magnitude", magnitude), ("growth", growth)):
-        if not isinstance(t, torch.Tensor) or t.shape != mask.shape:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type_name(t)
+        if t.shape != mask.shape:
+            got = tuple(t.shape)
             raise ValueError(
                 f"drop_and_grow(): expected {name} of mask's shape {tuple(mask.shape)}, got {got}"
             )

@@ -239,6 +239,7 @@ def check_ties_whole(
     chosen: list[tuple[str, nn.Module, list[str]]],
     places: Iterable[tuple[nn.Module, list[str]]],
     advice: str = "select both (they stay tied, block-sparse) or neither",
+    attrs: tuple[str, ...] = ("weight", "bias"),
 ) -> None:
     """Refuse a selection holding one of two linear layers that share a weight or a bias (tied): the one
     made block-sparse would no longer share it with the other, silently (and a pruner's zeroed blocks would
@@ -246,7 +247,7 @@ def check_ties_whole(
     (One a non-linear module holds is :func:`foreign_holders`' concern: it names that module.)"""
     picked = {id(m) for _, m, _ in chosen}
     places = list(places)
-    for attr in ("weight", "bias"):
+    for attr in attrs:
         holders: dict[int, list[tuple[str, nn.Module]]] = {}
         for module, fqns in places:
             if not (isinstance(module, nn.Linear) or _is_conv1d(module)):

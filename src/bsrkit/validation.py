@@ -10,6 +10,7 @@ library catches it.
 from __future__ import annotations
 
 import builtins
+import fractions
 import math
 import numbers
 from typing import Any, TypeGuard
@@ -276,10 +277,12 @@ def is_density(value: Any) -> TypeGuard[float]:
 
 
 def kept_blocks(density: float, blocks: int) -> int:
-    """How many of ``blocks`` a pruning to ``density`` keeps: ``density * blocks`` rounded half up (Python's
-    ``round`` rounds half to even: a density of 0.5 kept none of one block, and 2 of 5), the one count
-    ``BSRLinear``, ``sparsify_`` and ``GradualPruner`` share."""
-    return math.floor(density * blocks + 0.5)
+    """How many of ``blocks`` a pruning to ``density`` keeps: ``density * blocks`` rounded half up, the one
+    count ``BSRLinear``, ``sparsify_``, ``GradualPruner`` and ``bsrkit tune`` share. The product is taken
+    of the decimal the density prints as (0.29 of 50 blocks is 14.5: 15 kept, where the float product
+    14.499999999999998 rounds to 14); Python's ``round`` rounds half to even (0.5 of one block kept none)."""
+    exact = fractions.Fraction(repr(float(density))) * blocks
+    return math.floor(exact + fractions.Fraction(1, 2))
 
 
 def check_density(op: str, density: Any, name: str = "density") -> float:
@@ -298,6 +301,23 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     size = t.element_size()
     return int(t.storage_offset()) * size, int(extent) * size
+
+
+def unallocated(what: str) -> RuntimeError:
+    """The error for an operand whose storage does not hold the memory it views (released, as FSDP and
+    offloading do with ``untyped_storage().resize_(0)``, or shrunk): a loop would read or write outside
+    any allocation. torch's ops say as much of a released storage."""
+    return RuntimeError(
+        f"bsrkit: the {what} has a non-zero number of elements, but its data is not allocated (its storage "
+        "was released or shrunk, e.g. by untyped_storage().resize_())"
+    )
+
+
+def check_allocated(t: torch.Tensor, what: str = "operand") -> None:
+    """:func:`unallocated` unless ``t``'s storage holds every byte ``t`` views (none: nothing to hold)."""
+    start, nbytes = byte_span(t)
+    if nbytes and t.untyped_storage().nbytes() < start + nbytes:
+        raise unallocated(what)
 
 
 def may_share_memory(a: torch.Tensor, *others: torch.Tensor | None) -> int:

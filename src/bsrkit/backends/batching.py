@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from bsrkit.validation import unallocated
+
 if TYPE_CHECKING:
     from bsrkit.operand import Operand
 
@@ -142,9 +144,12 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     typestr = _TYPESTRS.get(t.dtype)
     if typestr is None or not t.is_contiguous():
         raise ValueError(f"host_array(): expected a contiguous tensor of {sorted(map(str, _TYPESTRS))}")
+    data = t.data_ptr()
+    if data == int(t.storage_offset()) * t.element_size() and t.numel():  # (storage base 0: released)
+        raise unallocated("operand")
     view = _ArrayInterface()
     view.owner = t
     view.__array_interface__ = {
-        "data": (t.data_ptr(), False), "shape": tuple(t.shape), "typestr": typestr, "version": 3,
+        "data": (data, False), "shape": tuple(t.shape), "typestr": typestr, "version": 3,
     }  # fmt: skip
     return np.asarray(view)

@@ -26,6 +26,7 @@ import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit.backends.base import ParamSpec, int_at_least_one
 from bsrkit.backends.batching import block_coordinates, bsr_batch_of, host_array, needs_torch_scatter
 from bsrkit.backends.torch_ops import TorchBackend
+from bsrkit.validation import check_allocated
 
 if TYPE_CHECKING:
     from bsrkit.backends.cpu.compiled.gemm import BsrMMArgs
@@ -125,11 +126,10 @@ def _data_address(t: torch.Tensor) -> int:
 
 def _base_address(t: torch.Tensor) -> int:
     """Address of element 0 of ``t``'s storage (offsets are passed per batch, in elements); a
-    ``RuntimeError`` for a storage released (address 0: the loops would read or write there)."""
-    base = int(t.data_ptr() - t.storage_offset() * t.element_size())
-    if not base and t.numel():
-        raise running.released(0, names=("operand",))
-    return base
+    ``RuntimeError`` for a storage that does not hold what ``t`` views (released or shrunk: the loops
+    would read or write outside it)."""
+    check_allocated(t)
+    return int(t.data_ptr() - t.storage_offset() * t.element_size())
 
 
 @functools.cache

@@ -14,6 +14,7 @@ import torch
 
 import bsrkit.backends.cpu.kernels as kernels
 from bsrkit.loading import import_module
+from bsrkit.validation import unallocated
 
 if TYPE_CHECKING:
     from bsrkit.operand import Operand
@@ -41,14 +42,11 @@ if hasattr(os, "register_at_fork"):
 Rerun = Callable[..., Any]
 
 
-def released(*bases: int, names: tuple[str, ...] = ("blocks", "dense operand", "output")) -> RuntimeError:
-    """The error for an operand whose storage holds no data (its base address is 0: released, as FSDP and
-    offloading do with ``untyped_storage().resize_(0)``): the loop would read or write address 0."""
-    which = " and ".join(name for name, base in zip(names, bases, strict=False) if not base)
-    return RuntimeError(
-        f"bsrkit: the {which} has a non-zero number of elements, but its data is not allocated (its storage "
-        "was released, e.g. by untyped_storage().resize_(0))"
-    )
+def released(*bases: int) -> RuntimeError:
+    """:func:`~bsrkit.validation.unallocated` for the operands of a prepared call whose storage base is
+    address 0 (released: the loop would read or write there)."""
+    names = ("blocks", "dense operand", "output")
+    return unallocated(" and ".join(name for name, base in zip(names, bases, strict=True) if not base))
 
 
 def prepared(
