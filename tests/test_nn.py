@@ -1124,3 +1124,12 @@ def test_a_layer_keeps_two_wrappers_at_most_as_its_pattern_changes():
     weight_hits = bsrkit.shortcut_info().weight_hits
     layer(x).sum().backward()
     assert bsrkit.shortcut_info().weight_hits == weight_hits + 2  # (forward and backward: kept wrappers)
+
+
+def test_the_linear_op_names_a_wrong_x():
+    from bsrkit import custom_ops
+
+    layer = BSRLinear(16, 12, 4, density=0.5)
+    args = (layer.crow_indices, layer.col_indices, layer.values.detach())
+    with pytest.raises(ValueError, match=r"linear\(\): expected x of shape \(N, 16\), got \(2, 3, 16\)"):
+        custom_ops.linear(*args, torch.randn(2, 3, 16), None, 12, 16, False)

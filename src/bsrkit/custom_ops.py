@@ -139,13 +139,13 @@ def linear(
     transposed: bool,
 ) -> torch.Tensor:
     """:func:`linear_product` as a custom op (differentiable, twice; traceable by ``torch.compile``)."""
-    _check_bsr_mm(values, x.mT, M, K, transposed)
+    _check_linear(values, x, M, K, transposed)
     return linear_product(crow, col, values, x, bias, M, K, transposed)
 
 
 @linear.register_fake
 def _(crow, col, values, x, bias, M, K, transposed):
-    _check_bsr_mm(values, x.mT, M, K, transposed)
+    _check_linear(values, x, M, K, transposed)
     return x.new_empty((x.shape[0], K if transposed else M))
 
 
@@ -200,10 +200,20 @@ def _(crow, col, mat1, mat2, Ms, Ns):
     return mat1.new_empty((col.shape[-1], Ms, Ns))
 
 
-def _check_bsr_mm(values: torch.Tensor, dense: torch.Tensor, M: int, K: int, transposed: bool) -> None:
+def _check_linear(values: torch.Tensor, x: torch.Tensor, M: int, K: int, transposed: bool) -> None:
+    """:func:`_check_bsr_mm` of ``bsrkit::linear``'s 2-D ``x`` (its rows: ``x.mT`` is the dense operand),
+    its errors naming the op and ``x``."""
+    inner = M if transposed else K
+    if x.ndim != 2 or x.shape[1] != inner:
+        raise ValueError(f"linear(): expected x of shape (N, {inner}), got {tuple(x.shape)}")
+    _check_bsr_mm(values, x.mT, M, K, transposed, op="linear")
+
+
+def _check_bsr_mm(
+    values: torch.Tensor, dense: torch.Tensor, M: int, K: int, transposed: bool, op: str = "bsr_mm"
+) -> None:
     """The checks the kernels rely on (the pattern is checked by :meth:`Operand.parts`): one dtype, one
     device, 2-D ``dense`` of the inner size. A mismatch would read memory as the wrong type."""
-    op = "bsr_mm"
     check_operand_dtypes(op, "dense", dense, "values", values)
     check_same_device(op, "dense", dense, "values", values)
     inner = M if transposed else K
@@ -318,7 +328,7 @@ class EagerLinear(torch.autograd.Function):
         K: int,
         transposed: bool,
     ) -> torch.Tensor:
-        _check_bsr_mm(values, x.mT, M, K, transposed)
+        _check_linear(values, x, M, K, transposed)
         ctx.save_for_backward(crow, col, values, x)
         ctx.shape = (M, K, transposed, bias is not None)
         used: list[Operand] = []

@@ -188,6 +188,18 @@ def check_out_needs_no_grad(op: str, name: str, out: torch.Tensor) -> None:
         )
 
 
+def check_not_sparse_leaf(op: str, name: str, bsr: torch.Tensor) -> None:
+    """A BSR leaf that requires grad gets a BSR gradient, which torch's autograd cannot accumulate (its
+    backward failed with "Sparse BSR tensors do not have is_contiguous"): refused at the call, naming the
+    way that works."""
+    if bsr.requires_grad and bsr.grad_fn is None:
+        raise ValueError(
+            f"{op}(): {name} is a sparse leaf that requires grad, whose gradient torch's autograd cannot "
+            "accumulate: build it with torch.sparse_bsr_tensor(crow, col, values) from values that require "
+            "grad (values.grad is then the blocks' gradient)"
+        )
+
+
 def mark_written(op: str, name: str, out: torch.Tensor) -> None:
     """``out`` is about to be written in place by a kernel (not by a torch op): refuse an inference tensor
     outside inference mode (torch refuses to write one there), and move its version counter, as torch's
