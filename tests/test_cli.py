@@ -208,6 +208,24 @@ def test_tune_keeps_a_tables_permissions_and_refuses_a_foreign_file(tmp_path, ca
     assert fresh.stat().st_mode & 0o777 == 0o666 & ~umask  # open()'s permissions, not mkstemp's 0600
 
 
+def test_tune_refuses_a_fifo_and_products_ignore_one(tmp_path):
+    """A FIFO blocked the table's read for ever (and /dev/null, read as empty, was replaced by a JSON file
+    when run as root): neither is a table, and a product reading one as $BSRKIT_TUNING_TABLE ignores it.
+    In a child under a time limit: the old read never returned."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    script = (
+        "import json, sys\n"
+        "from bsrkit import tuning\n"
+        "from bsrkit.cli import main\n"
+        f"rc = main(['tune', '--sizes', '64', '--blocksizes', '16', '--panels', '32', '--threads', '1', "
+        f"'--table', {str(fifo)!r}])\n"
+        f"print(json.dumps([rc, tuning.load_table({str(fifo)!r})]))\n"
+    )
+    run = run_python(script, timeout=120)
+    assert run.json() == [2, {}] and "is not a regular file" in run.stderr
+
+
 def test_fallback_warning_once_names_the_command(tmp_path, monkeypatch):
     monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "missing.json"))
     monkeypatch.setattr(tuning, "_warned", set())

@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from bsrkit.validation import kept_blocks
+
 __all__ = [
     "last_level_cache_bytes",
     "median_seconds",
@@ -84,10 +86,13 @@ def min_seconds(fn: Callable[[], object], repeats: int) -> float:
 def random_bsr_weight(
     n: int, blocksize: int, density: float, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An n x n float32 BSR matrix with about ``density`` of its blocks stored, and its dense twin."""
+    """An n x n float32 BSR matrix with ``density`` of its blocks stored (at least one: a draw of none
+    timed a product that computes nothing), chosen at random, and its dense twin."""
     g = torch.Generator().manual_seed(seed)
     nb = n // blocksize
-    mask = torch.rand((nb, nb), generator=g) < density
+    mask = torch.zeros(nb * nb, dtype=torch.bool)
+    mask[torch.randperm(nb * nb, generator=g)[: max(1, kept_blocks(density, nb * nb))]] = True
+    mask = mask.reshape(nb, nb)
     full = mask.repeat_interleave(blocksize, 0).repeat_interleave(blocksize, 1)
     dense = torch.randn((n, n), generator=g) * full
     return dense.to_sparse_bsr((blocksize, blocksize)), dense
@@ -197,7 +202,7 @@ def streamed_copies(bsr: torch.Tensor) -> list[torch.Tensor]:
 def format_table(rows: list[dict[str, object]]) -> str:
     """The rows of :func:`run_point` as an aligned text table."""
     header = (
-        f"{'op':>5} {'dtype':>8} {'n':>5} {'bs':>3} {'dens':>5} | {'bsrkit ms':>9} {'native ms':>9} "
+        f"{'op':>7} {'dtype':>8} {'n':>5} {'bs':>3} {'dens':>5} | {'bsrkit ms':>9} {'native ms':>9} "
         f"{'dense ms':>9} | {'x native':>8} {'x dense':>7} | {'GF/s':>6} {'nativeGF':>8} {'denseGF':>7}"
     )
     lines = [header, "-" * len(header)]
@@ -207,7 +212,7 @@ def format_table(rows: list[dict[str, object]]) -> str:
 
     for r in rows:
         lines.append(
-            f"{r['op']:>5} {r['dtype']:>8} {r['n']:>5} {r['blocksize']:>3} {r['density']:>5} | "
+            f"{r['op']:>7} {r['dtype']:>8} {r['n']:>5} {r['blocksize']:>3} {r['density']:>5} | "
             f"{cell(r['bsrkit_s'], 9, 2, 1e3)} {cell(r['native_s'], 9, 2, 1e3)} "
             f"{cell(r['dense_s'], 9, 2, 1e3)} | {cell(r['x_native'], 8, 2)} {cell(r['x_dense'], 7, 2)} | "
             f"{cell(r['gflops'], 6, 1)} {cell(r['native_gflops'], 8, 1)} {cell(r['dense_gflops'], 7, 1)}"

@@ -216,7 +216,6 @@ _PLOT_FORMATS = frozenset(
         "jpeg",
         "jpg",
         "pdf",
-        "pgf",
         "png",
         "ps",
         "raw",

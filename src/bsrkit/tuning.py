@@ -22,6 +22,7 @@ import contextlib
 import functools
 import json
 import os
+import stat
 import sys
 import tempfile
 import threading
@@ -166,11 +167,16 @@ def load_table(path: Path | str | None = None) -> dict[str, dict[str, Any]]:
     if cached is not None and now - cached[1] < _RECHECK_SECONDS:
         return cached[2]
     try:
-        mtime = os.stat(name).st_mtime
+        st = os.stat(name)
     except OSError:  # missing: no entries (the same object while it stays missing: results keyed on it hold)
         missing = cached[2] if cached is not None and cached[0] is None else {}
         _loaded[name] = (None, now, missing)
         return missing
+    mtime = st.st_mtime
+    if not stat.S_ISREG(st.st_mode):  # (a FIFO would block every product's read; a device is no table)
+        _warn_once(f"special:{name}", f"bsrkit: ignoring tuning table {name}: not a regular file")
+        _loaded[name] = (mtime, now, {})
+        return _loaded[name][2]
     if cached is not None and cached[0] == mtime:
         _loaded[name] = (mtime, now, cached[2])
         return cached[2]
@@ -235,7 +241,16 @@ def check_writable(path: Path | None = None) -> Path:
 
 def _refuse_foreign(path: Path) -> None:
     """Raise ``FileExistsError`` if ``path`` holds something other than a bsrkit tuning table (of any
-    version) or nothing: a mistyped ``--table`` must not replace a user's file."""
+    version) or nothing: a mistyped ``--table`` must not replace a user's file (nor a device such as
+    ``/dev/null``, which reads as empty, nor block on a FIFO's read)."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise FileExistsError(
+                f"{path} exists and is not a regular file: not replacing it with a tuning table (choose "
+                "another table path)"
+            )
+    except FileNotFoundError:
+        return
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -274,6 +289,7 @@ def save_entries(new: dict[str, dict[str, Any]], path: Path | None = None) -> Pa
     # (through a symbolic link: the file it names is updated, the link stays)
     path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
+    _refuse_foreign(path)  # (also before the lock file is made beside it: /dev/null.lock)
     with _locked(path):
         _refuse_foreign(path)
         _loaded.pop(str(path), None)  # read what is on disk now, not a copy up to a second old
@@ -316,7 +332,8 @@ def lookup(
     if found is None and "fallback" not in _warned:  # (checked first: the message costs ~2 µs to format)
         M, K, N = shape
         name = str(dtype).removeprefix("torch.")
-        # (bsrkit tune times the products, both orientations; other ops keep their defaults)
+        # (bsrkit tune times bsr @ dense and stores its parameters for both orientations; other ops keep
+        # their defaults)
         advice = (
             f"Run `bsrkit tune {tune_flag}--shapes {M}x{K}x{N} --blocksizes {blocksize[0]}x{blocksize[1]}"
             f"{'' if name == 'float32' else ' --dtype ' + name}` to tune"
