@@ -8,6 +8,7 @@ import torch
 
 from bsrkit import plans, shortcuts
 from bsrkit.keys import TensorKey
+from bsrkit.validation import check_allocated
 
 __all__ = ["Operand"]
 
@@ -92,6 +93,7 @@ class Operand(NamedTuple):
                 f"{op}(): malformed {name}: its values are {values.dtype}, the tensor says {bsr.dtype} (its "
                 "values were given another dtype after it was built: build it again)"
             )
+        check_allocated(values, f"{name}'s values")  # (released or shrunk: the loops read past it)
         if values.is_neg():  # (the kernels read memory: a negative view is read as its negation)
             version, values = None, values.resolve_neg()  # (a copy: not kept, resolved again next call)
         # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).

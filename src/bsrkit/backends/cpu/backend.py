@@ -26,7 +26,7 @@ import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit.backends.base import ParamSpec, int_at_least_one
 from bsrkit.backends.batching import block_coordinates, bsr_batch_of, host_array, needs_torch_scatter
 from bsrkit.backends.torch_ops import TorchBackend
-from bsrkit.validation import check_allocated
+from bsrkit.validation import unallocated
 
 if TYPE_CHECKING:
     from bsrkit.backends.cpu.compiled.gemm import BsrMMArgs
@@ -126,10 +126,12 @@ def _data_address(t: torch.Tensor) -> int:
 
 def _base_address(t: torch.Tensor) -> int:
     """Address of element 0 of ``t``'s storage (offsets are passed per batch, in elements); a
-    ``RuntimeError`` for a storage that does not hold what ``t`` views (released or shrunk: the loops
-    would read or write outside it)."""
-    check_allocated(t)
-    return int(t.data_ptr() - t.storage_offset() * t.element_size())
+    ``RuntimeError`` for a storage released (address 0: the loops would read or write there; a shrunk
+    one is read as torch's ops read it, and a BSR's values are checked whole by ``Operand.of``)."""
+    base = int(t.data_ptr() - t.storage_offset() * t.element_size())
+    if not base and t.numel():
+        raise unallocated("operand")
+    return base
 
 
 @functools.cache
