@@ -817,6 +817,24 @@ def test_a_tuple_subclass_with_its_own_constructor_reaches_the_function_as_itsel
     assert f(x, Dims(2, 3)) == (Dims, (2, 3), torch.Tensor)  # (it became Dims([2, 3]): ([2, 3],))
     assert f(x, (Dims(2, 3), x))[1][0] == Dims(2, 3)
 
+    class Tagged(tuple):
+        def __new__(cls, items, tag):
+            obj = super().__new__(cls, items)
+            obj.tag = tag
+            return obj
+
+    @weak_lru_cache(maxsize=8, verify_contents=True)
+    def g(v):
+        return type(v).__name__, float(v[0].sum()), getattr(v, "tag", "-")
+
+    t = torch.ones(3)
+    assert g(torch.max(torch.stack([t, t]), 0)) == (
+        "max",
+        3.0,
+        "-",
+    )  # (a structseq: tuple.__new__ refused it)
+    assert g(Tagged((t,), "mine")) == ("Tagged", 3.0, "mine")  # (its attribute goes along)
+
 
 def test_a_hashable_argument_holding_a_tensor_is_refused():
     """Keyed by its hash (its identity), the tensor inside was neither keyed nor proven: a write to it was

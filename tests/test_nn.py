@@ -1133,3 +1133,5 @@ def test_the_linear_op_names_a_wrong_x():
     args = (layer.crow_indices, layer.col_indices, layer.values.detach())
     with pytest.raises(ValueError, match=r"linear\(\): expected x of shape \(N, 16\), got \(2, 3, 16\)"):
         custom_ops.linear(*args, torch.randn(2, 3, 16), None, 12, 16, False)
+    with pytest.raises(TypeError, match=r"linear\(\): expected x.dtype == torch.float32"):
+        custom_ops.linear(*args, torch.randn(2, 16, dtype=torch.float64), None, 12, 16, False)

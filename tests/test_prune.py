@@ -2,6 +2,7 @@
 pattern, and finalize() to BSRLinear, against a masked-dense reference run."""
 
 import copy
+import fractions
 import itertools
 
 import numpy as np
@@ -259,6 +260,7 @@ def test_kept_block_count_rounds_half_up_alike_in_every_pruning():
         and kept_blocks(0.7, 45) == 32
         and kept_blocks(0.49999999999999994, 1) == 0
     )
+    assert kept_blocks(np.float32(0.29), 50) == 15 and kept_blocks(fractions.Fraction(1, 6), 3) == 1
     torch.manual_seed(0)
     linear = nn.Linear(40, 8)  # 5 blocks of 8 x 8
     assert BSRLinear(40, 8, 8, density=0.5).values.shape[0] == 3

@@ -396,8 +396,16 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value  # (a tuple subclass holding no tensor reaches the function as itself)
         make = getattr(kind, "_make", None)  # (a namedtuple reaches the function as one)
-        # (another subclass: its own __new__ may take other arguments than an iterable)
-        return make(items) if make is not None else tuple.__new__(kind, items)
+        if make is not None:
+            return make(items)
+        if hasattr(kind, "n_sequence_fields"):  # (torch.return_types: a structseq, built from a sequence)
+            return kind(items)
+        # (another subclass: its own __new__ may take other arguments than an iterable; what it set on the
+        # object goes along)
+        rebuilt = tuple.__new__(kind, items)
+        if hasattr(value, "__dict__"):
+            rebuilt.__dict__.update(value.__dict__)
+        return rebuilt
     if isinstance(value, dict):
         return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value

@@ -123,7 +123,7 @@ linear_product_op = torch.ops.bsrkit.linear_product  # (the op; the name also li
 
 @torch.library.register_fake("bsrkit::linear_product")
 def _(crow, col, values, x, bias, M, K, transposed):
-    _check_bsr_mm(values, dispatch.rows(x).mT, M, K, transposed)
+    _check_linear(values, dispatch.rows(x), M, K, transposed, op="linear_product")
     return x.new_empty((*x.shape[:-1], K if transposed else M))
 
 
@@ -200,28 +200,33 @@ def _(crow, col, mat1, mat2, Ms, Ns):
     return mat1.new_empty((col.shape[-1], Ms, Ns))
 
 
-def _check_linear(values: torch.Tensor, x: torch.Tensor, M: int, K: int, transposed: bool) -> None:
-    """:func:`_check_bsr_mm` of ``bsrkit::linear``'s 2-D ``x`` (its rows: ``x.mT`` is the dense operand),
-    its errors naming the op and ``x``."""
+def _check_linear(
+    values: torch.Tensor, x: torch.Tensor, M: int, K: int, transposed: bool, op: str = "linear"
+) -> None:
+    """The checks of :func:`_check_bsr_mm` for the rows ``x`` (``(N, inner)``; ``x.mT`` is the dense
+    operand), naming ``x``."""
+    _check_values_with(op, "x", x, values)
     inner = M if transposed else K
     if x.ndim != 2 or x.shape[1] != inner:
-        raise ValueError(f"linear(): expected x of shape (N, {inner}), got {tuple(x.shape)}")
-    _check_bsr_mm(values, x.mT, M, K, transposed, op="linear")
+        raise ValueError(f"{op}(): expected x of shape (N, {inner}), got {tuple(x.shape)}")
 
 
-def _check_bsr_mm(
-    values: torch.Tensor, dense: torch.Tensor, M: int, K: int, transposed: bool, op: str = "bsr_mm"
-) -> None:
+def _check_bsr_mm(values: torch.Tensor, dense: torch.Tensor, M: int, K: int, transposed: bool) -> None:
     """The checks the kernels rely on (the pattern is checked by :meth:`Operand.parts`): one dtype, one
-    device, 2-D ``dense`` of the inner size. A mismatch would read memory as the wrong type."""
-    check_operand_dtypes(op, "dense", dense, "values", values)
-    check_same_device(op, "dense", dense, "values", values)
+    device, 3-D ``values``, 2-D ``dense`` of the inner size. A mismatch would read memory as the wrong
+    type."""
+    op = "bsr_mm"
+    _check_values_with(op, "dense", dense, values)
     inner = M if transposed else K
-    if values.ndim != 3 or dense.ndim != 2 or dense.shape[0] != inner:
-        raise ValueError(
-            f"{op}(): expected values of shape (nnz, Ms, Ks) and dense of shape ({inner}, N), got "
-            f"{tuple(values.shape)} and {tuple(dense.shape)}"
-        )
+    if dense.ndim != 2 or dense.shape[0] != inner:
+        raise ValueError(f"{op}(): expected dense of shape ({inner}, N), got {tuple(dense.shape)}")
+
+
+def _check_values_with(op: str, name: str, other: torch.Tensor, values: torch.Tensor) -> None:
+    check_operand_dtypes(op, name, other, "values", values)
+    check_same_device(op, name, other, "values", values)
+    if values.ndim != 3:
+        raise ValueError(f"{op}(): expected values of shape (nnz, Ms, Ks), got {tuple(values.shape)}")
 
 
 def _check_sampled_mm(mat1: torch.Tensor, mat2: torch.Tensor) -> None:

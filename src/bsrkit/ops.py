@@ -27,7 +27,6 @@ from bsrkit.validation import (
     check_dtype,
     check_max_grid,
     check_meta,
-    check_not_sparse_leaf,
     check_out,
     check_out_needs_no_grad,
     check_same_device,
@@ -384,8 +383,6 @@ def _validate_addmm(
         raise ValueError(
             f"{op}(): expected out=None when an argument requires grad (out= is not differentiable)"
         )
-    if differentiable:
-        check_not_sparse_leaf(op, "bsr", bsr)
     beta = check_coefficient(op, "beta", beta)
     alpha = check_coefficient(op, "alpha", alpha)
     check_bsr(op, "bsr", bsr, dtypes=_ADDMM_DTYPES)
@@ -551,8 +548,6 @@ def sampled_addmm(
         raise ValueError(
             f"{op}(): expected out=None when an argument requires grad (out= is not differentiable)"
         )
-    if differentiable:
-        check_not_sparse_leaf(op, "input", input)
     backend = dispatch.select(op, "sampled", mat1.device, mat1.dtype)
     if input.is_meta:  # (shapes only, as torch's ops on meta: no pattern to read)
         if out is not None:

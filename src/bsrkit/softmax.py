@@ -20,7 +20,7 @@ import torch
 from bsrkit import autograd, dispatch
 from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
-from bsrkit.validation import ArgumentTypeError, check_bsr, check_not_sparse_leaf, resolved, type_name
+from bsrkit.validation import ArgumentTypeError, check_bsr, resolved, type_name
 
 if TYPE_CHECKING:
     from bsrkit.backends.base import Backend
@@ -57,7 +57,6 @@ def bsr_softmax(input: torch.Tensor, max_row_nnz: int | None = None) -> torch.Te
     a = Operand.of(input, op, "input")
     values = input.values()
     if torch.is_grad_enabled() and values.requires_grad:
-        check_not_sparse_leaf(op, "input", input)
         y = BsrSoftmax.apply(values, backend, a._replace(values=a.values.detach()))
     else:
         y = dispatch.softmax(backend, a, values)

@@ -188,18 +188,6 @@ def check_out_needs_no_grad(op: str, name: str, out: torch.Tensor) -> None:
         )
 
 
-def check_not_sparse_leaf(op: str, name: str, bsr: torch.Tensor) -> None:
-    """A BSR leaf that requires grad gets a BSR gradient, which torch's autograd cannot accumulate (its
-    backward failed with "Sparse BSR tensors do not have is_contiguous"): refused at the call, naming the
-    way that works."""
-    if bsr.requires_grad and bsr.grad_fn is None:
-        raise ValueError(
-            f"{op}(): {name} is a sparse leaf that requires grad, whose gradient torch's autograd cannot "
-            "accumulate: build it with torch.sparse_bsr_tensor(crow, col, values) from values that require "
-            "grad (values.grad is then the blocks' gradient)"
-        )
-
-
 def mark_written(op: str, name: str, out: torch.Tensor) -> None:
     """``out`` is about to be written in place by a kernel (not by a torch op): refuse an inference tensor
     outside inference mode (torch refuses to write one there), and move its version counter, as torch's
@@ -293,8 +281,11 @@ def kept_blocks(density: float, blocks: int) -> int:
     count ``BSRLinear``, ``sparsify_``, ``GradualPruner`` and ``bsrkit tune`` share. The product is taken
     of the decimal the density prints as (0.29 of 50 blocks is 14.5: 15 kept, where the float product
     14.499999999999998 rounds to 14); Python's ``round`` rounds half to even (0.5 of one block kept none)."""
-    exact = fractions.Fraction(repr(float(density))) * blocks
-    return math.floor(exact + fractions.Fraction(1, 2))
+    if isinstance(density, numbers.Rational):  # (a Fraction or an int: exact already)
+        exact = fractions.Fraction(density)
+    else:  # (numpy's str is its shortest decimal, in its own precision: np.float32(0.29) prints 0.29)
+        exact = fractions.Fraction(str(density) if isinstance(density, np.floating) else repr(float(density)))
+    return math.floor(exact * blocks + fractions.Fraction(1, 2))
 
 
 def check_density(op: str, density: Any, name: str = "density") -> float:
