@@ -83,16 +83,23 @@ def min_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def random_block_mask(grid: tuple[int, int], density: float, generator: torch.Generator) -> torch.Tensor:
+    """A bool ``grid`` of blocks with exactly the density's share set (:func:`~bsrkit.validation.
+    kept_blocks`), at least one (a draw of none timed a product that computes nothing), at random."""
+    count = grid[0] * grid[1]
+    mask = torch.zeros(count, dtype=torch.bool)
+    mask[torch.randperm(count, generator=generator)[: max(1, kept_blocks(density, count))]] = True
+    return mask.reshape(grid)
+
+
 def random_bsr_weight(
     n: int, blocksize: int, density: float, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An n x n float32 BSR matrix with ``density`` of its blocks stored (at least one: a draw of none
-    timed a product that computes nothing), chosen at random, and its dense twin."""
+    """An n x n float32 BSR matrix with ``density`` of its blocks stored (:func:`random_block_mask`), and
+    its dense twin."""
     g = torch.Generator().manual_seed(seed)
     nb = n // blocksize
-    mask = torch.zeros(nb * nb, dtype=torch.bool)
-    mask[torch.randperm(nb * nb, generator=g)[: max(1, kept_blocks(density, nb * nb))]] = True
-    mask = mask.reshape(nb, nb)
+    mask = random_block_mask((nb, nb), density, g)
     full = mask.repeat_interleave(blocksize, 0).repeat_interleave(blocksize, 1)
     dense = torch.randn((n, n), generator=g) * full
     return dense.to_sparse_bsr((blocksize, blocksize)), dense

@@ -19,9 +19,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from bsrkit.benchmarking import median_seconds, random_bsr_weight, streamed_copies
+from bsrkit.benchmarking import median_seconds, random_block_mask, random_bsr_weight, streamed_copies
 from bsrkit.environment import flag
-from bsrkit.validation import kept_blocks
 
 __all__ = ["main"]
 
@@ -410,12 +409,7 @@ def _tune_shapes(
 
     g = torch.Generator().manual_seed(0)
     for (M, K, N), (Ms, Ks) in tqdm(jobs, desc="bsrkit tune", unit="shape", file=sys.stderr):
-        # (exactly the density's share of blocks, at least one: a draw of none timed a product that
-        # computes nothing, and stored its noise)
-        grid = (M // Ms) * (K // Ks)
-        mask = torch.zeros(grid, dtype=torch.bool)
-        mask[torch.randperm(grid, generator=g)[: max(1, kept_blocks(args.density, grid))]] = True
-        mask = mask.reshape(M // Ms, K // Ks)
+        mask = random_block_mask((M // Ms, K // Ks), args.density, g)  # (a draw of none stored noise)
         full = mask.repeat_interleave(Ms, 0).repeat_interleave(Ks, 1)
         bsr = (torch.randn((M, K), generator=g) * full).to(dtype).to_sparse_bsr((Ms, Ks)).to(device)
         x = torch.randn((K, N), generator=g).to(dtype).to(device)
