@@ -2,6 +2,7 @@
 on the meta device, never a dense weight), and a plain state_dict through torch.save. The transformers
 cases are skipped without transformers; the memory case runs on Linux only (it reads /proc)."""
 
+import functools
 import json
 import os
 import sys
@@ -170,18 +171,23 @@ def test_tied_block_sparse_layers_load_tied_even_with_no_stored_block(tmp_path, 
     assert tied == {}
 
 
-def test_save_sparse_writes_tied_parameters_once(tmp_path):
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(10, 32)
-            self.body = nn.Linear(32, 32)
-            self.out = nn.Linear(32, 10, bias=False)
+class _Tied(nn.Module):
+    """An embedding, a linear body and an output head tied to the embedding (``tie``)."""
+
+    def __init__(self, tie: bool = True):
+        super().__init__()
+        self.embed = nn.Embedding(10, 32)
+        self.body = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 10, bias=False)
+        if tie:
             self.out.weight = self.embed.weight
 
-        def forward(self, tokens):
-            return self.out(self.body(self.embed(tokens)))
+    def forward(self, tokens):
+        return self.out(self.body(self.embed(tokens)))
 
+
+def test_save_sparse_writes_tied_parameters_once(tmp_path):
+    Tied = _Tied
     torch.manual_seed(0)
     model = Tied()
     sparsify_(model, blocksize=8, density=0.5, force=True, filter_fn=lambda m, fqn: fqn == "body")
@@ -201,13 +207,7 @@ def test_load_sparse_names_a_tied_entry_of_another_shape_or_a_tensor_of_another_
 
     from safetensors.torch import load_file, save_file
 
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(10, 32)
-            self.body = nn.Linear(32, 32)
-            self.out = nn.Linear(32, 10, bias=False)
-
+    Tied = functools.partial(_Tied, tie=False)
     torch.manual_seed(0)
     model = Tied()
     sparsify_(model, blocksize=8, density=0.5, force=True, filter_fn=lambda m, fqn: fqn == "body")
