@@ -42,6 +42,9 @@ def test_demo_runs_and_checks_its_result(capsys):
         ["demo", "--density", "nan"],
         ["bench", "--densities", "nan"],
         ["bench", "--sizes", "64", "--blocksizes", "16", "--json", "/nonexistent-dir/x.json"],
+        ["tune", "--sizes", "64", "--shapes", "96x96x8"],  # (--sizes was ignored)
+        ["demo", "--hidden", "128"],  # (ignored without --model: the 2048² demo ran)
+        ["tune", "--threads", "100000"],  # (stored as a tuned thread count)
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
@@ -51,6 +54,8 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("bsrkit") and "error:" in err
     assert len(err.splitlines()) == 1
+    if argv[0] in ("demo", "bench", "tune"):  # (the subcommand's errors name it, after parsing too)
+        assert err.startswith(f"bsrkit {argv[0]}: error:"), err
 
 
 def test_help_for_each_command(capsys):

@@ -503,6 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
 
     p = sub.add_parser("demo", help="multiply a random BSR weight by a dense matrix and compare")
+    commands = {"demo": p}
     p.add_argument("--size", type=_parse_list(int), default=[2048], help="matrix size n (default 2048)")
     p.add_argument("--blocksize", type=_parse_list(int), default=[32], help="block size (default 32)")
     p.add_argument(
@@ -512,11 +513,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--model", action="store_true", help="a small transformer instead: dense vs sparsify_ (needs [hf])"
     )
-    p.add_argument("--hidden", type=int, default=512, help="--model: hidden size (512)")
-    p.add_argument("--layers", type=int, default=4, help="--model: decoder layers (4)")
+    p.add_argument("--hidden", type=int, default=None, help="--model: hidden size (512)")
+    p.add_argument("--layers", type=int, default=None, help="--model: decoder layers (4)")
     p.set_defaults(run=demo)
 
-    p = sub.add_parser("bench", help="time bsrkit vs torch native BSR vs dense over a grid")
+    p = commands["bench"] = sub.add_parser(
+        "bench", help="time bsrkit vs torch native BSR vs dense over a grid"
+    )
     p.add_argument("--sizes", type=_parse_list(int), default=[1024, 2048], help="n values (1024,2048)")
     p.add_argument("--blocksizes", type=_parse_list(int), default=[16, 32, 64], help="(16,32,64)")
     p.add_argument("--densities", type=_parse_list(float), default=[0.05, 0.1, 0.25, 0.5])
@@ -529,9 +532,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot", metavar="FILE.png", help="write speedup-over-dense vs density (PNG)")
     p.set_defaults(run=bench)
 
-    p = sub.add_parser("tune", help="search the CPU kernel's parameters and store them")
-    p.add_argument("--sizes", type=_parse_list(int), default=[2048], help="square n values (default 2048)")
-    p.add_argument("--shapes", type=_parse_shapes, default=None, help="MxKxN list (instead of --sizes)")
+    p = commands["tune"] = sub.add_parser("tune", help="search the CPU kernel's parameters and store them")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--sizes", type=_parse_list(int), default=[2048], help="square n values (default 2048)"
+    )
+    which.add_argument("--shapes", type=_parse_shapes, default=None, help="MxKxN list (instead of --sizes)")
     p.add_argument("--blocksizes", type=_parse_blocks, default=[(32, 32)], help="e.g. 32 or 32x16 (32)")
     p.add_argument("--density", type=float, default=0.1, help="block density to tune at (0.1)")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32")
@@ -564,44 +570,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.set_defaults(run=tune)
 
     args = parser.parse_args(argv)
+    error = commands[args.command].error  # (names the subcommand: 'bsrkit tune: error: ...')
     if args.command == "demo":
         if args.density is None:
             args.density = [0.5, 0.25, 0.1] if args.model else [0.1]
         if max(args.density) > 1:
-            parser.error(f"--density must be in (0, 1], got {max(args.density)}")
+            error(f"--density must be in (0, 1], got {max(args.density)}")
         for name in (
             ("size", "blocksize", "repeats") if args.model else ("size", "blocksize", "density", "repeats")
         ):
             values = getattr(args, name)
             if len(values) > 1:  # (parsed as lists, as bench's; demo runs one point)
-                parser.error(f"--{name} takes one value in demo, got {values}")
+                error(f"--{name} takes one value in demo, got {values}")
             setattr(args, name, values[0])
+        if not args.model and (args.hidden is not None or args.layers is not None):
+            error("--hidden and --layers size the --model demo: add --model")
+        args.hidden = 512 if args.hidden is None else args.hidden
+        args.layers = 4 if args.layers is None else args.layers
         if args.model:
             if args.hidden < 64 or args.hidden % 64 or args.hidden % args.blocksize or args.layers < 1:
-                parser.error(
+                error(
                     f"--hidden must be a positive multiple of 64 and of --blocksize, --layers >= 1, got "
                     f"{args.hidden}, {args.blocksize}, {args.layers}"
                 )
         elif args.size % args.blocksize:
-            parser.error(f"--size must be a multiple of --blocksize, got {args.size} and {args.blocksize}")
+            error(f"--size must be a multiple of --blocksize, got {args.size} and {args.blocksize}")
     elif args.command == "bench":
-        _check_grid(parser, args)
+        _check_grid(commands["bench"], args)
     else:
         if not 0 < args.density <= 1:
-            parser.error(f"--density must be in (0, 1], got {args.density}")
+            error(f"--density must be in (0, 1], got {args.density}")
+        if args.threads and max(args.threads) > (os.cpu_count() or 1):
+            error(f"--threads must be at most the {os.cpu_count()} CPUs here, got {max(args.threads)}")
         if args.backend == "triton":
             from bsrkit.backends import triton as triton_backend
 
             if not triton_backend.available():
-                parser.error("--backend triton needs the triton package (pip install bsrkit[triton])")
+                error("--backend triton needs the triton package (pip install bsrkit[triton])")
             if not torch.cuda.is_available() and not triton_backend.interpreting():
-                parser.error("--backend triton needs a CUDA device, or TRITON_INTERPRET=1 to tune on CPU")
+                error("--backend triton needs a CUDA device, or TRITON_INTERPRET=1 to tune on CPU")
             if any(w < 16 or w & (w - 1) for w in args.block_n):
-                parser.error(f"--block-n values must be powers of two >= 16, got {args.block_n}")
+                error(f"--block-n values must be powers of two >= 16, got {args.block_n}")
         for M, K, _ in args.shapes or [(n, n, n) for n in args.sizes]:
             for Ms, Ks in args.blocksizes:
                 if M % Ms or K % Ks:
-                    parser.error(f"blocks {Ms}x{Ks} must divide M x K = {M} x {K}")
+                    error(f"blocks {Ms}x{Ks} must divide M x K = {M} x {K}")
     try:
         show_traceback = flag("BSRKIT_TRACEBACK", False)  # (read first: a bad value is its own error)
     except ValueError as exc:
