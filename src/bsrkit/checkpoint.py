@@ -159,6 +159,10 @@ def read_sparse_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     bsrkit did not write."""
     from safetensors import SafetensorError, safe_open
 
+    if os.path.isdir(path):  # (safetensors' reason: "No such device")
+        raise ValueError(
+            f"load_sparse(): expected path to be a safetensors file, got the directory {os.fspath(path)!r}"
+        )
     try:
         with safe_open(os.fspath(path), framework="pt") as f:
             header = f.metadata() or {}
