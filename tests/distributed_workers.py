@@ -313,6 +313,9 @@ def scenario_tp(rank: int, world: int, out: Path) -> dict:
             ),
         ),
         ("index_dtype", lambda: _index_dtype(BSRLinear(16, 16, 4, density=0.5, generator=_seeded(0)), rank)),
+        # (one pattern, other values: every block stored, drawn from each rank's own seed; another bias)
+        ("values", lambda: BSRLinear(16, 16, 4, density=1.0, generator=_seeded(rank))),
+        ("bias_values", lambda: _other_bias(BSRLinear(16, 16, 4, density=0.5, generator=_seeded(0)), rank)),
     ):
         try:
             BlockRowParallelBSRLinear(layer())
@@ -357,6 +360,14 @@ def _index_dtype(layer: BSRLinear, rank: int) -> BSRLinear:
     dtype by to_bsr_linear (gloo aborted the process)."""
     if rank:
         layer.crow_indices, layer.col_indices = layer.crow_indices.int(), layer.col_indices.int()
+    return layer
+
+
+def _other_bias(layer: BSRLinear, rank: int) -> BSRLinear:
+    """``layer`` with another bias on rank 1: the same pattern and blocks."""
+    if rank:
+        with torch.no_grad():
+            layer.bias.add_(1.0)
     return layer
 
 

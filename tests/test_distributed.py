@@ -189,6 +189,8 @@ def test_tensor_parallel_refuses_ranks_with_different_layers(two_ranks):
         "bias": True,
         "dtype": True,
         "index_dtype": True,
+        "values": True,  # (the same pattern with other values was accepted: a mix of the ranks' layers)
+        "bias_values": True,
     }
 
 

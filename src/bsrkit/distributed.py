@@ -343,16 +343,31 @@ def _check_same_pattern(
         dtype=torch.int64, device=device,
     )  # fmt: skip
     pattern = torch.cat([crow.to(device, torch.int64), col.to(device, torch.int64)])
-    for mine in (layout, pattern):
+    # (the same pattern with other values: a layer drawn at density 1, or another bias, on one rank)
+    content = torch.cat([_fingerprint(layer.values), _fingerprint(layer.bias)]).to(device)
+    for mine in (layout, pattern, content):
         everyone = mine.new_empty(dist.get_world_size(group) * mine.numel())
         dist.all_gather_single(everyone, mine, group=group)
         if not torch.equal(everyone.view(-1, mine.numel()), mine.expand(dist.get_world_size(group), -1)):
-            what = "layer shape, dtypes and bias" if mine is layout else "pattern"
+            what = {id(layout): "layer shape, dtypes and bias", id(pattern): "pattern"}.get(
+                id(mine), "values and bias"
+            )
             raise ValueError(
                 f"BlockRowParallelBSRLinear(): expected the same {what} on every rank, got "
                 f"{everyone.view(-1, mine.numel()).tolist()[:8]} (build the layer with the same seed on "
                 "every rank)"
             )
+
+
+def _fingerprint(t: torch.Tensor | None) -> torch.Tensor:
+    """Two int64 sums of ``t``'s bytes (as 16-bit words, plain and weighted by position): equal for equal
+    tensors whatever order a rank sums in (integer sums are exact), and unequal for tensors that differ,
+    short of a collision. None: zeros."""
+    if t is None or t.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64)
+    words = t.detach().contiguous().flatten().view(torch.int16).to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device) % 65521 + 1  # (each product < 2**31)
+    return torch.stack([words.sum(), (words * weights).sum()]).cpu()
 
 
 def parallelize(module: nn.Module, group: Any = None) -> nn.Module:
