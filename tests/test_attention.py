@@ -366,6 +366,11 @@ def test_a_float_mask_row_of_minus_inf_only_gives_zero_as_torch(backend):
         ),
         (lambda: bsrkit.sliding_window_mask(16, (2, -1), 4), ValueError, "expected window >= 0, got -1"),
         (
+            lambda: bsrkit.sliding_window_mask(8, (1, 2, 3), 4),
+            TypeError,
+            "expected window to be an int or a pair of ints, got \\(1, 2, 3\\)",
+        ),
+        (
             lambda: bsrkit.block_local_mask(16, 4, neighbours=1.5),
             TypeError,
             "expected neighbours to be an int",

@@ -87,7 +87,9 @@ def sliding_window_mask(
     memory: the stored blocks of block row ``r`` are the block columns meeting
     ``[r Ms - left, r Ms + Ms - 1 + right]``."""
     op = "sliding_window_mask"
-    pair = window if isinstance(window, (tuple, list)) and len(window) == 2 else (window, window)
+    if isinstance(window, (tuple, list)) and len(window) != 2:
+        raise ArgumentTypeError(f"{op}(): expected window to be an int or a pair of ints, got {window!r}")
+    pair = window if isinstance(window, (tuple, list)) else (window, window)
     left, right = (check_size(op, "window", w) for w in pair)
     L, S = _lengths(op, L, S)
     Ms, Ns = check_blocksize(op, blocksize)
