@@ -324,6 +324,17 @@ def scenario_tp(rank: int, world: int, out: Path) -> dict:
         else:
             refused[name] = False
     results["refused"] = refused
+    # Another rank's state_dict has this rank's shapes here (an even split): it loaded silently, and the
+    # layer computed the other rank's rows. Its part is named now; this rank's own loads.
+    tp = BlockRowParallelBSRLinear(BSRLinear(16, 16, 4, density=1.0, generator=_seeded(0)))
+    states: list[Any] = [None] * world
+    torch.distributed.all_gather_object(states, tp.state_dict())
+    try:
+        tp.load_state_dict(states[1 - rank])
+        results["other_rank_state"] = "loaded"
+    except ValueError as exc:
+        results["other_rank_state"] = "refused" if "holds the part" in str(exc) else str(exc)
+    tp.load_state_dict(states[rank])
     # A deep copy (an EMA model) shares the group and computes the same; a second derivative through
     # the input gradient runs no in-place collective on the graph (torch warns about those).
     full = uniform_layer(3)

@@ -192,6 +192,7 @@ def test_tensor_parallel_refuses_ranks_with_different_layers(two_ranks):
         "values": True,  # (the same pattern with other values was accepted: a mix of the ranks' layers)
         "bias_values": True,
     }
+    assert two_ranks[1]["tp"]["other_rank_state"] == "refused"
 
 
 def test_tensor_parallel_deep_copies_differentiates_twice_and_refuses_a_rewritten_pattern(two_ranks):

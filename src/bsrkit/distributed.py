@@ -149,6 +149,10 @@ def _pairs(bounds: tuple[int, ...]) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
+# The key of a parallel layer's part (see BlockRowParallelBSRLinear._part) in its state_dict metadata.
+_PART_KEY = "bsrkit_tensor_parallel_part"
+
+
 def _gather_int(n: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
     everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
     dist.all_gather_single(everyone, torch.tensor([n], dtype=torch.int64, device=device), group=group)
@@ -245,9 +249,28 @@ class BlockRowParallelBSRLinear(nn.Module):
         shortcuts.forget_weight(self.values)  # (as BSRLinear's: swap_tensors refuses a weakly referenced one)
         return super()._apply(fn, recurse)
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+    def _part(self) -> tuple[Any, ...]:
+        """Which part of which layer this rank holds: what its tensors' shapes do not say."""
+        return (self.out_features, self.in_features, self.rank, self.world_size, tuple(self.row_splits))
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        metadata = getattr(destination, "_metadata", None)  # (kept by torch.save, handed back on load)
+        if metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]][_PART_KEY] = self._part()
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              *args: Any, **kwargs: Any) -> None:  # fmt: skip
+        part = local_metadata.get(_PART_KEY)  # (absent from older checkpoints: loaded as before)
+        if part is not None and tuple(tuple(p) if isinstance(p, list) else p for p in part) != self._part():
+            raise ValueError(
+                f"BlockRowParallelBSRLinear.load_state_dict(): {prefix or 'the checkpoint'} holds the part "
+                f"(out, in, rank, world size, block-row splits) = {tuple(part)}, this rank's is "
+                f"{self._part()} (another rank's part, or another split: load to_bsr_linear()'s whole layer "
+                "into a BSRLinear and parallelize it)"
+            )
         shortcuts.forget_weight(self.values)
-        super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> BlockRowParallelBSRLinear:
         memo[id(self.group)] = self.group  # (a process group is shared, never copied)
