@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from bsrkit.environment import getenv, reader
-from bsrkit.validation import byte_span
+from bsrkit.validation import byte_span, unallocated
 
 __all__ = ["CHECK_ENV", "Snapshot", "check_mode", "content_tensors", "with_data"]
 
@@ -217,11 +217,7 @@ class Snapshot:
                 continue
             start, nbytes = byte_span(t)
             if storage.nbytes() < start + nbytes:  # (released or shrunk: reading it would leave the memory)
-                raise RuntimeError(
-                    f"bsrkit: a tensor of shape {tuple(t.shape)} views bytes {start} to {start + nbytes} "
-                    f"of a storage of {storage.nbytes()} bytes (released or resized, e.g. by "
-                    "untyped_storage().resize_()): its data is not allocated"
-                )
+                raise unallocated(f"tensor of shape {tuple(t.shape)}")
             if storage.device.type == "cpu":
                 where[-1] = ("host", len(host))
                 host.append(_host_region(storage, start, nbytes))

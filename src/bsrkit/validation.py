@@ -316,6 +316,26 @@ def unallocated(what: str) -> RuntimeError:
     )
 
 
+def storage_address(t: torch.Tensor) -> int:
+    """Address of element 0 of ``t``'s storage; :func:`unallocated` when it is 0 (released) and ``t`` has
+    elements to read: a loop given it would read or write address 0. (A shrunk storage is read as torch's
+    ops read it; a BSR's values are checked whole by :func:`check_allocated`, once per operand.)"""
+    return _addresses(t)[0]
+
+
+def data_address(t: torch.Tensor) -> int:
+    """Address of ``t``'s element 0, with :func:`storage_address`'s check."""
+    return _addresses(t)[1]
+
+
+def _addresses(t: torch.Tensor) -> tuple[int, int]:
+    data = t.data_ptr()
+    base = data - int(t.storage_offset()) * t.element_size()
+    if not base and t.numel():
+        raise unallocated("operand")
+    return base, data
+
+
 def check_allocated(t: torch.Tensor, what: str = "operand") -> None:
     """:func:`unallocated` unless ``t``'s storage holds every byte ``t`` views (none: nothing to hold)."""
     start, nbytes = byte_span(t)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from bsrkit.validation import unallocated
+from bsrkit.validation import data_address
 
 if TYPE_CHECKING:
     from bsrkit.operand import Operand
@@ -144,9 +144,7 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     typestr = _TYPESTRS.get(t.dtype)
     if typestr is None or not t.is_contiguous():
         raise ValueError(f"host_array(): expected a contiguous tensor of {sorted(map(str, _TYPESTRS))}")
-    data = t.data_ptr()
-    if data == int(t.storage_offset()) * t.element_size() and t.numel():  # (storage base 0: released)
-        raise unallocated("operand")
+    data = data_address(t)  # (a released storage: an error, not a view of address 0)
     view = _ArrayInterface()
     view.owner = t
     view.__array_interface__ = {

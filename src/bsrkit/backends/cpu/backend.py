@@ -26,7 +26,7 @@ import bsrkit.backends.cpu.softmax_kernels as softmax_kernels
 from bsrkit.backends.base import ParamSpec, int_at_least_one
 from bsrkit.backends.batching import block_coordinates, bsr_batch_of, host_array, needs_torch_scatter
 from bsrkit.backends.torch_ops import TorchBackend
-from bsrkit.validation import unallocated
+from bsrkit.validation import data_address, storage_address
 
 if TYPE_CHECKING:
     from bsrkit.backends.cpu.compiled.gemm import BsrMMArgs
@@ -117,21 +117,6 @@ def _blas_operand(t: torch.Tensor, row_major_only: bool = False) -> tuple[torch.
                 "backend's BLAS; use BSRKIT_BACKEND=torch"
             )
     return t, layout[0], layout[1]
-
-
-def _data_address(t: torch.Tensor) -> int:
-    """Address of ``t``'s element 0 (:func:`_base_address`'s check)."""
-    return _base_address(t) + int(t.storage_offset()) * t.element_size()
-
-
-def _base_address(t: torch.Tensor) -> int:
-    """Address of element 0 of ``t``'s storage (offsets are passed per batch, in elements); a
-    ``RuntimeError`` for a storage released (address 0: the loops would read or write there; a shrunk
-    one is read as torch's ops read it, and a BSR's values are checked whole by ``Operand.of``)."""
-    base = int(t.data_ptr() - t.storage_offset() * t.element_size())
-    if not base and t.numel():
-        raise unallocated("operand")
-    return base
 
 
 @functools.cache
@@ -227,10 +212,10 @@ def _addmm_small(
     args = Args(
         kind=_KINDS[out.dtype], crow=plan.crow, col=plan.col, cum=plan.cost,
         bsr_of=bsr_batch_of(a.batch, batch), nthreads=nthreads,
-        a_addr=_base_address(values), a_boff=_batch_offsets(values, values.ndim - 3, a.batch),
+        a_addr=storage_address(values), a_boff=_batch_offsets(values, values.ndim - 3, a.batch),
         a_gs=values.stride(-3), a_rs=values.stride(-2), a_cs=values.stride(-1),
-        x_addr=_base_address(x), x_boff=_batch_offsets(x, x.ndim - 2, batch), x_ld=x_ld, dot=dot,
-        c_addr=_base_address(out), c_boff=_batch_offsets(out, out.ndim - 2, batch),
+        x_addr=storage_address(x), x_boff=_batch_offsets(x, x.ndim - 2, batch), x_ld=x_ld, dot=dot,
+        c_addr=storage_address(out), c_boff=_batch_offsets(out, out.ndim - 2, batch),
         c_rs=out.stride(-2), c_cs=out.stride(-1),
         Ms=Ms, Ks=Ks, N=N, Wp=width, alpha=alpha, overwrite=overwrite,
         proof=np.zeros(2, np.int64), crow_live=crow_live, col_live=col_live, live_wide=live_wide,
@@ -348,11 +333,11 @@ class CpuBackend:
         args = Args(
             kind=_KINDS[out.dtype], crow=plan.crow, col=plan.col, cum=plan.cost,
             bsr_of=bsr_batch_of(a.batch, batch), nthreads=nthreads,
-            a_addr=_base_address(values), a_boff=_batch_offsets(values, values.ndim - 3, a.batch),
+            a_addr=storage_address(values), a_boff=_batch_offsets(values, values.ndim - 3, a.batch),
             a_gs=values.stride(-3), a_rowmajor=a_rowmajor, lda=lda,
-            b_addr=_base_address(dense), b_boff=_batch_offsets(dense, dense.ndim - 2, batch),
+            b_addr=storage_address(dense), b_boff=_batch_offsets(dense, dense.ndim - 2, batch),
             b_rowmajor=b_rowmajor, b_rs=dense.stride(-2), b_cs=dense.stride(-1), ldb=ldb,
-            c_addr=_base_address(target), c_boff=_batch_offsets(target, target.ndim - 2, batch),
+            c_addr=storage_address(target), c_boff=_batch_offsets(target, target.ndim - 2, batch),
             c_rs=target.stride(-2), c_cs=target.stride(-1), c_rowmajor=c_rowmajor, ldc=ldc,
             Ms=Ms, Ks=Ks, N=N, panel=params["panel"], alpha=alpha, overwrite=overwrite,
             isz_ab=values.element_size(), isz_c=target.element_size(),
@@ -392,11 +377,11 @@ class CpuBackend:
         Args: type[SampledArgs] = kernel.Args
         args = Args(
             kind=_KINDS[mat1.dtype], rows=rows.numpy(), cols=cols.numpy(), nthreads=nthreads,
-            a_addr=_base_address(mat1), a_boff=_batch_offsets(mat1, mat1.ndim - 2, batch),
+            a_addr=storage_address(mat1), a_boff=_batch_offsets(mat1, mat1.ndim - 2, batch),
             a_rs=mat1.stride(-2), a_rowmajor=a_rowmajor, lda=lda,
-            b_addr=_base_address(mat2), b_boff=_batch_offsets(mat2, mat2.ndim - 2, batch),
+            b_addr=storage_address(mat2), b_boff=_batch_offsets(mat2, mat2.ndim - 2, batch),
             b_cs=mat2.stride(-1), b_rowmajor=b_rowmajor, ldb=ldb,
-            c_addr=_data_address(out), Ms=Ms, Ns=Ns, K=mat1.shape[-1], alpha=alpha,
+            c_addr=data_address(out), Ms=Ms, Ns=Ns, K=mat1.shape[-1], alpha=alpha,
             isz_ab=mat1.element_size(), isz_c=out.element_size(),
         )  # fmt: skip
         _run(kernel, nthreads, args)
@@ -466,10 +451,10 @@ class CpuBackend:
         args = Args(
             kind=_KINDS[accumulators.dtype], tiles=plan.tiles, pairs=plan.pairs, tasks=plan.tasks,
             cum=plan.cost, nbatch=math.prod(batch), nthreads=nthreads,
-            a_addr=_data_address(blocks), a_gs=blocks.stride(0), a_rowmajor=a_rowmajor, lda=lda,
-            b_addr=_base_address(others), b_boff=b_boff, b_moff=b_moff, b_rs=others.stride(-2),
+            a_addr=data_address(blocks), a_gs=blocks.stride(0), a_rowmajor=a_rowmajor, lda=lda,
+            b_addr=storage_address(others), b_boff=b_boff, b_moff=b_moff, b_rs=others.stride(-2),
             b_cs=others.stride(-1), b_rowmajor=b_rowmajor, ldb=ldb,
-            c_addr=_base_address(target), c_boff=c_boff, c_moff=c_moff, c_rs=target.stride(-2),
+            c_addr=storage_address(target), c_boff=c_boff, c_moff=c_moff, c_rs=target.stride(-2),
             c_cs=target.stride(-1), c_rowmajor=c_rowmajor, ldc=ldc,
             Ms=Ms, Ks=Ks, alpha=1.0, overwrite=overwrite,
             isz_ab=blocks.element_size(), isz_c=target.element_size(),
