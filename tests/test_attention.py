@@ -383,6 +383,31 @@ def test_mask_builders_name_a_bad_size(build, error, message):
         build()
 
 
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda **kw: bsrkit.causal_mask(16, 4, **kw),
+        lambda **kw: bsrkit.sliding_window_mask(16, 2, 4, **kw),
+        lambda **kw: bsrkit.block_local_mask(16, 4, neighbours=1, **kw),
+    ],
+)
+def test_mask_builders_name_a_device_that_holds_no_data(build):
+    """A mask's pattern is data: on meta, given or torch's default, torch's nonzero() failed."""
+    with pytest.raises(
+        ValueError, match=r"_mask\(\): expected device to be a device that holds data, got 'meta'"
+    ):
+        build(device="meta")
+    with torch.device("meta"), pytest.raises(ValueError, match="got None: meta tensors hold no data"):
+        build()
+    with pytest.raises(ValueError, match="expected device to be a device that holds data, got 'bogus'"):
+        build(device="bogus")
+    assert build(device="cpu:0").device == torch.device("cpu")
+    with pytest.raises(
+        ValueError, match=r"mask_from_dense\(\): expected mask to hold data, got a tensor on the meta"
+    ):
+        bsrkit.mask_from_dense(torch.ones(16, 16, dtype=torch.bool, device="meta"), 4)
+
+
 @pytest.mark.parametrize("shape", [(0, 4, 4), (0, 4), (2, 0, 4), (4, 0)])
 def test_mask_from_dense_of_an_empty_mask_is_empty(shape):
     mask = bsrkit.mask_from_dense(torch.ones(shape, dtype=torch.bool), 2)

@@ -687,6 +687,17 @@ def test_an_init_weights_writing_a_childs_weights_never_overwrites_loaded_ones(t
     assert torch.equal(loaded(x), model(x))
 
 
+def test_load_sparse_of_a_path_naming_nothing_is_file_not_found(tmp_path):
+    """As ``open`` and ``torch.load`` (it was a ValueError)."""
+    model = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(
+        FileNotFoundError, match=r"load_sparse\(\): expected path to name a file, got .*absent"
+    ):
+        load_sparse(model, tmp_path / "absent.safetensors")
+    with pytest.raises(FileNotFoundError, match="absent"):
+        read_sparse_metadata(tmp_path / "absent.safetensors")
+
+
 def test_save_sparse_to_a_directory_names_it(tmp_path):
     model = nn.Sequential(nn.Linear(16, 16))
     with pytest.raises(ValueError, match=r"save_sparse\(\): expected path to name a file, got the dir"):

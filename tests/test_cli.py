@@ -374,6 +374,19 @@ def test_tune_times_a_weight_with_blocks_even_on_a_tiny_grid(tmp_path, monkeypat
     assert seen == [1, 2]  # (at least one block; else 10% of 16, rounded)
 
 
+@pytest.mark.parametrize("n, blocksize", [(8, 16), (40, 16), (16, 0)])
+def test_random_bsr_weight_names_a_blocksize_that_does_not_divide_n(n, blocksize):
+    """torch's shape mismatch escaped from inside it."""
+    from bsrkit.benchmarking import random_bsr_weight
+
+    with pytest.raises(
+        ValueError, match=f"random_bsr_weight\\(\\): expected a blocksize >= 1 that divides n, got n == {n}"
+    ):
+        random_bsr_weight(n, blocksize, 0.5)
+    bsr, dense = random_bsr_weight(32, 16, 0.5)
+    assert bsr.shape == (32, 32) and bsr._nnz() == 2 and torch.equal(bsr.to_dense(), dense)
+
+
 def test_one_malformed_entry_is_ignored_alone_and_tune_keeps_the_rest(tmp_path, monkeypatch):
     table = tmp_path / "t.json"
     key = tuning.table_key(tuning.cpu_device_name(), "bsr_dense_mm", torch.float32, (8, 8, 8), (4, 4))

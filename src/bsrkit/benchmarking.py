@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from bsrkit.validation import kept_blocks
+from bsrkit.validation import check_size, kept_blocks
 
 __all__ = [
     "last_level_cache_bytes",
@@ -97,6 +97,15 @@ def random_bsr_weight(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An n x n float32 BSR matrix with ``density`` of its blocks stored (:func:`random_block_mask`), and
     its dense twin."""
+    n, blocksize = (
+        check_size("random_bsr_weight", "n", n),
+        check_size("random_bsr_weight", "blocksize", blocksize),
+    )
+    if blocksize < 1 or n % blocksize:
+        raise ValueError(
+            f"random_bsr_weight(): expected a blocksize >= 1 that divides n, got n == {n}, "
+            f"blocksize == {blocksize}"
+        )
     g = torch.Generator().manual_seed(seed)
     nb = n // blocksize
     mask = random_block_mask((nb, nb), density, g)

@@ -30,7 +30,7 @@ from torch import nn
 
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
-from bsrkit.validation import SUPPORTED_DTYPES, type_name
+from bsrkit.validation import SUPPORTED_DTYPES, check_data_device, type_name
 
 __all__ = ["load_sparse", "parameters_on_meta", "read_sparse_metadata", "save_sparse"]
 
@@ -156,9 +156,13 @@ def save_sparse(
 def read_sparse_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The record :func:`save_sparse` wrote in ``path``'s header: ``{"format": 1, "layers": {fqn: {...}},
     "tied": {name: kept name}}``. Raises ``ValueError`` for a file that is not a safetensors file or that
-    bsrkit did not write."""
+    bsrkit did not write, ``FileNotFoundError`` (as ``open`` and ``torch.load``) for a path naming nothing."""
     from safetensors import SafetensorError, safe_open
 
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"load_sparse(): expected path to name a file, got {os.fspath(path)!r}: no such file"
+        )
     if os.path.isdir(path):  # (safetensors' reason: "No such device")
         raise ValueError(
             f"load_sparse(): expected path to be a safetensors file, got the directory {os.fspath(path)!r}"
@@ -377,7 +381,7 @@ def load_sparse(
     if dtype is not None and dtype not in SUPPORTED_DTYPES:  # (float8 would load, then never run)
         raise ValueError(f"load_sparse(): expected dtype in {SUPPORTED_DTYPES} or None, got {dtype}")
     record = read_sparse_metadata(path)
-    device = _real_device(device)
+    device = check_data_device("load_sparse", device)
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
     elif callable(model_or_factory):
@@ -448,23 +452,6 @@ def load_sparse(
     saved = max(saved_dtypes, key=saved_dtypes.__getitem__) if saved_dtypes else None
     _cast_computed_buffers(model, stored, record["buffer_dtypes"], dtype, saved)
     return model.to(device)
-
-
-def _real_device(device: Any) -> torch.device:
-    """``device`` as a ``torch.device`` that can hold the checkpoint's tensors, or a ``ValueError``."""
-    try:
-        device = torch.device(device)
-        if device.type == "meta":
-            raise ValueError("meta holds no data")
-        if device.type == "cpu":
-            device = torch.device("cpu")  # (cpu:0 is the one CPU; safetensors takes no index there)
-        else:
-            torch.empty(0, device=device)  # (a device this process can use: CUDA present, index in range)
-    except (RuntimeError, ValueError, TypeError, AssertionError) as exc:
-        raise ValueError(
-            f"load_sparse(): expected device to be a device that holds data, got {device!r}: {exc}"
-        ) from None
-    return device
 
 
 def _cast_computed_buffers(

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from bsrkit.eager import eager_under_compile
-from bsrkit.validation import ArgumentTypeError, check_blocksize, check_size, type_name
+from bsrkit.validation import ArgumentTypeError, check_blocksize, check_data_device, check_size, type_name
 
 __all__ = [
     "block_local_mask",
@@ -93,6 +93,7 @@ def sliding_window_mask(
     left, right = (check_size(op, "window", w) for w in pair)
     L, S = _lengths(op, L, S)
     Ms, Ns = check_blocksize(op, blocksize)
+    device = check_data_device(op, device)
     r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
     lo = (r * Ms - left).clamp(min=0)  # first and last allowed key column of the block row
     hi = (r * Ms + Ms - 1 + right).clamp(max=S - 1)
@@ -115,6 +116,7 @@ def causal_mask(
     op = "causal_mask"
     L, S = _lengths(op, L, S)
     Ms, Ns = check_blocksize(op, blocksize)
+    device = check_data_device(op, device)
     r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
     hi = (r * Ms + Ms - 1).clamp(max=S - 1)
     end = torch.where(hi >= 0, torch.div(hi, Ns, rounding_mode="floor") + 1, 0)
@@ -142,6 +144,7 @@ def block_local_mask(
     neighbours = check_size(op, "neighbours", neighbours)
     global_tokens = check_size(op, "global_tokens", global_tokens)
     L, S = _lengths(op, L, S)
+    device = check_data_device(op, device)
     NB = S // Ns if S % Ns == 0 else 0
     r = torch.arange(L // Ms if L % Ms == 0 else 0, device=device)
     g = global_tokens
@@ -175,6 +178,8 @@ def mask_from_dense(mask: torch.Tensor, blocksize: int | tuple[int, int]) -> tor
         raise ArgumentTypeError(f"{op}(): expected mask to be a strided bool tensor, got {got}")
     if mask.ndim < 2:
         raise ValueError(f"{op}(): expected mask of shape (*B, L, S), got {tuple(mask.shape)}")
+    if mask.is_meta:
+        raise ValueError(f"{op}(): expected mask to hold data, got a tensor on the meta device")
     Ms, Ns = check_blocksize(op, blocksize)
     *batch, L, S = mask.shape
     if L % Ms or S % Ns:

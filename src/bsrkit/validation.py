@@ -26,6 +26,7 @@ __all__ = [
     "byte_span",
     "check_blocksize",
     "check_bsr",
+    "check_data_device",
     "check_density",
     "check_dtype",
     "check_max_grid",
@@ -260,6 +261,26 @@ def check_blocksize(op: str, blocksize: Any) -> tuple[int, int]:
     if pair[0] < 1 or pair[1] < 1:
         raise ValueError(f"{op}(): expected blocksize to be >= 1, got {blocksize!r}")
     return int(pair[0]), int(pair[1])
+
+
+def check_data_device(op: str, device: Any) -> torch.device:
+    """``device`` (None: torch's default device) as a ``torch.device`` this process can put data on, else a
+    ``ValueError`` naming it: not ``meta`` (its tensors hold no data: a pattern is data), nor a device
+    absent here. ``cpu:0`` is ``cpu``, the one CPU."""
+    given = device
+    try:
+        device = torch.get_default_device() if device is None else torch.device(device)
+        if device.type == "meta":
+            raise ValueError("meta tensors hold no data")
+        if device.type == "cpu":
+            device = torch.device("cpu")
+        else:
+            torch.empty(0, device=device)  # (CUDA present, index in range)
+    except (RuntimeError, ValueError, TypeError, AssertionError) as exc:
+        raise ValueError(
+            f"{op}(): expected device to be a device that holds data, got {given!r}: {exc}"
+        ) from None
+    return device
 
 
 def check_size(op: str, name: str, value: Any) -> int:
