@@ -364,3 +364,31 @@ def test_tensor_parallel_converts_and_loads_with_swapping_conversions(world_of_o
         torch.testing.assert_close(tp(x.double()), layer.double()(x.double()))
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.parametrize(
+    "edit, defect",
+    [
+        (
+            lambda sd: sd["col_indices"].fill_(99),
+            r"expected col_indices in \[0, 4\) \(block columns\), got 99",
+        ),
+        (lambda sd: sd["crow_indices"].add_(1), "crow_indices"),
+        (lambda sd: sd.update(crow_indices=sd["crow_indices"][:-1]), "crow_indices"),
+    ],
+)
+def test_tensor_parallel_load_refuses_a_malformed_pattern_by_name(world_of_one, edit, defect):
+    """As BSRLinear's load: it loaded, and only the next forward refused it, naming the forward."""
+    torch.manual_seed(0)
+    tp = BlockRowParallelBSRLinear(BSRLinear(32, 16, 8, density=0.5))
+    state = {k: v.clone() for k, v in tp.state_dict().items()}
+    before = {k: v.clone() for k, v in state.items()}
+    edit(state)
+    with pytest.raises(
+        ValueError, match=r"BlockRowParallelBSRLinear.load_state_dict\(\): malformed pattern.*" + defect
+    ):
+        tp.load_state_dict(state)
+    for name, t in tp.state_dict().items():  # (nothing loaded)
+        assert torch.equal(t, before[name]), name
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(tp(x), tp.to_bsr_linear()(x))

@@ -44,7 +44,7 @@ from torch import nn
 from bsrkit import custom_ops, shortcuts
 from bsrkit.nn import BSRLinear, autocast_operands
 from bsrkit.places import module_places, put
-from bsrkit.validation import ArgumentTypeError, check_operand_dtypes, type_name
+from bsrkit.validation import ArgumentTypeError, check_operand_dtypes, pattern_defect, type_name
 
 __all__ = ["BlockRowParallelBSRLinear", "parallelize", "split_block_rows"]
 
@@ -269,6 +269,20 @@ class BlockRowParallelBSRLinear(nn.Module):
                 f"{self._part()} (another rank's part, or another split: load to_bsr_linear()'s whole layer "
                 "into a BSRLinear and parallelize it)"
             )
+        crow, col = (state_dict.get(prefix + n) for n in ("crow_indices", "col_indices"))
+        # (as BSRLinear's: a malformed pattern is refused here, naming it, not at the next forward; judged
+        # on index data that can be read, one tensor alone with the layer's other one)
+        judged = (self.crow_indices if crow is None else crow, self.col_indices if col is None else col)
+        if (crow is not None or col is not None) and all(
+            type(t) is torch.Tensor and t.device.type != "meta" for t in judged
+        ):
+            blocks = (self.local_out_features // self.blocksize[0], self.in_features // self.blocksize[1])
+            defect = pattern_defect(*judged, *blocks, judged[1].shape[-1] if judged[1].ndim else -1)
+            if defect is not None:
+                raise ValueError(
+                    f"BlockRowParallelBSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices "
+                    f"and {prefix}col_indices: {defect}"
+                )
         shortcuts.forget_weight(self.values)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
