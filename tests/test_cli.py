@@ -313,6 +313,26 @@ def test_bench_in_half_precision_marks_torchs_missing_kernel(capsys):
     assert "float16" in row and row.count("n/a") == 3
 
 
+def test_bench_writes_a_warning_on_a_line_of_its_own_and_a_density_in_its_column(
+    tmp_path, monkeypatch, capsys
+):
+    """The TuningWarning was printed inside the progress bar's line; 0.0625 overflowed its column."""
+    monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "missing.json"))
+    monkeypatch.setattr(tuning, "_warned", set())
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", tuning.TuningWarning)
+        argv = ["bench", "--sizes", "64", "--blocksizes", "16", "--densities", "0.0625,0.5", "--repeats", "1"]
+        assert main(argv) == 0
+    assert warnings.showwarning is shown  # (put back)
+    captured = capsys.readouterr()
+    lines = [line.split("\r")[-1] for line in captured.err.splitlines()]
+    assert any(line.startswith("TuningWarning: bsrkit: no tuned parameters") for line in lines), captured.err
+    header, _, *rows = captured.out.strip().splitlines()[1:]
+    bar = header.index("|")
+    assert [row.index("|") for row in rows] == [bar, bar] and "0.0625 |" in rows[0], captured.out
+
+
 def test_python_dash_m_bsrkit_is_the_command():
     import subprocess
     import sys

@@ -218,7 +218,7 @@ def streamed_copies(bsr: torch.Tensor) -> list[torch.Tensor]:
 def format_table(rows: list[dict[str, object]]) -> str:
     """The rows of :func:`run_point` as an aligned text table."""
     header = (
-        f"{'op':>7} {'dtype':>8} {'n':>5} {'bs':>3} {'dens':>5} | {'bsrkit ms':>9} {'native ms':>9} "
+        f"{'op':>7} {'dtype':>8} {'n':>5} {'bs':>3} {'density':>7} | {'bsrkit ms':>9} {'native ms':>9} "
         f"{'dense ms':>9} | {'x native':>8} {'x dense':>7} | {'GF/s':>6} {'nativeGF':>8} {'denseGF':>7}"
     )
     lines = [header, "-" * len(header)]
@@ -228,7 +228,7 @@ def format_table(rows: list[dict[str, object]]) -> str:
 
     for r in rows:
         lines.append(
-            f"{r['op']:>7} {r['dtype']:>8} {r['n']:>5} {r['blocksize']:>3} {r['density']:>5} | "
+            f"{r['op']:>7} {r['dtype']:>8} {r['n']:>5} {r['blocksize']:>3} {r['density']:>7.4g} | "
             f"{cell(r['bsrkit_s'], 9, 2, 1e3)} {cell(r['native_s'], 9, 2, 1e3)} "
             f"{cell(r['dense_s'], 9, 2, 1e3)} | {cell(r['x_native'], 8, 2)} {cell(r['x_dense'], 7, 2)} | "
             f"{cell(r['gflops'], 6, 1)} {cell(r['native_gflops'], 8, 1)} {cell(r['dense_gflops'], 7, 1)}"

@@ -242,6 +242,8 @@ def bench(args: argparse.Namespace) -> int:
     ]
     rows: list[dict[str, Any]] = []
     interrupted = False
+    shown = warnings.showwarning  # (one printed on its own cuts the progress bar's line: tqdm writes it)
+    warnings.showwarning = lambda msg, kind, *_, **__: tqdm.write(f"{kind.__name__}: {msg}", file=sys.stderr)
     try:
         for op, n, bs, d in tqdm(grid, desc="bsrkit bench", unit="point", file=sys.stderr):
             repeats = args.repeats or (9 if n <= 1024 else 5 if n <= 2048 else 3)
@@ -249,6 +251,8 @@ def bench(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
         print(f"\ninterrupted: {len(rows)} of {len(grid)} points finished", file=sys.stderr)
+    finally:
+        warnings.showwarning = shown
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; medians, ratios from one run")
     print(format_table(rows))
     if args.json:
