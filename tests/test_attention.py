@@ -661,3 +661,22 @@ def test_attention_and_softmax_take_non_reentrant_checkpointing_under_create_gra
             (g,) = torch.autograd.grad(y.square().sum(), q, create_graph=True)
             grads.append(g)
         torch.testing.assert_close(grads[0], grads[1], msg=name)
+
+
+def test_attention_under_autocast_casts_as_torchs_sdpa_and_differentiates_the_float32_inputs():
+    g = torch.Generator().manual_seed(6)
+    q, k = (torch.randn(1, 2, 32, 8, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 2, 32, 8, generator=g).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = bsrkit.scaled_dot_product_attention(q, k, v, bsrkit.causal_mask(32, 16))
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    got.float().sum().backward()
+    assert q.grad.dtype == k.grad.dtype == torch.float32 and v.grad.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (float64 stays as it is, as torch's)
+        q64 = torch.randn(1, 2, 32, 8, dtype=torch.float64)
+        assert (
+            bsrkit.scaled_dot_product_attention(q64, q64, q64, bsrkit.causal_mask(32, 16)).dtype
+            == torch.float64
+        )

@@ -193,3 +193,45 @@ def test_the_model_comparison_names_a_count_it_cannot_take(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=f"expected {name} to be a positive int"):
         model_demo.compare(dense, [0.25], blocksize=16, **bad)
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_a_rotary_model_under_autocast_runs_as_on_sdpa(low):
+    """Under autocast the rotary embedding hands attention float32 query and key with a half value:
+    torch's SDPA casts them (a lower-precision op there), bsrkit's refused the mixed dtypes."""
+    ours, theirs = (_llama(attn, dtype=torch.float32) for attn in (hf.NAME, "sdpa"))
+    tokens = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), torch.autocast("cpu", dtype=low):
+        got, want = ours(tokens).logits, theirs(tokens).logits
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 32), (2, 1, 32, 1), (1, 1, 1, 32)])
+def test_a_mask_broadcasting_over_queries_or_keys_runs_as_on_sdpa(shape):
+    """A user's 4-D mask (B, 1, 1, S) reaches the attention as given: mask_from_dense refused it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups = 1
+        is_causal = False
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 32, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(shape, generator=g) > 0.3
+    mask.view(-1)[0] = True
+    calls = []
+    original = bsrkit.scaled_dot_product_attention
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            bsrkit, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or original(*a, **kw)
+        )
+        got = hf.attention_forward(Attention(), q, k, v, mask)[0]
+    want = sdpa_attention_forward(Attention(), q, k, v, mask)[0]
+    assert calls == [1]  # (on bsrkit, not the fallback)
+    keep = (
+        mask.expand(2, 1, 32, 32).any(-1).transpose(1, 2)
+    )  # (rows with nothing to attend: 0 here, NaN there)
+    torch.testing.assert_close(got[keep.expand_as(got[..., 0])], want[keep.expand_as(want[..., 0])], **TOL)
+    with pytest.raises(RuntimeError):  # (a mask that does not broadcast: SDPA's error)
+        hf.attention_forward(Attention(), q, k, v, torch.ones(2, 1, 3, 32, dtype=torch.bool))

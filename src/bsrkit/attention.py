@@ -62,6 +62,7 @@ from bsrkit.operand import Operand
 from bsrkit.validation import (
     SUPPORTED_DTYPES,
     ArgumentTypeError,
+    autocast_inputs,
     broadcast_batch,
     check_same_device,
     check_same_dtype,
@@ -136,8 +137,11 @@ def scaled_dot_product_attention(
 
     Differentiable in ``query``, ``key`` and ``value``; a float mask whose values require grad is refused
     under grad mode (its values are not differentiated: a learned bias would get no gradient). Half types:
-    products and softmax accumulate in float32.
+    products and softmax accumulate in float32. Under ``torch.autocast`` the float32 and half inputs are
+    cast to the autocast dtype first, as torch's SDPA's are there (float64 ones are left as they are).
     """
+    if torch._C._is_any_autocast_enabled() and isinstance(query, torch.Tensor):  # (as torch's SDPA there)
+        query, key, value, attn_mask = autocast_inputs(query.device.type, (query, key, value, attn_mask))
     _check_inputs(query, key, value, attn_mask)
     query, key, value = resolved(query), resolved(key), resolved(value)  # (the kernels read memory)
     # (numbers.Real: numpy's scalars too, as torch's SDPA takes them)

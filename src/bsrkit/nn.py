@@ -25,6 +25,7 @@ from torch import nn
 from bsrkit import custom_ops, dispatch, shortcuts
 from bsrkit.validation import (
     ArgumentTypeError,
+    autocast_inputs,
     check_blocksize,
     check_density,
     check_operand_dtypes,
@@ -55,19 +56,10 @@ def _needs_grad(x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
 def autocast_operands(
     x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``x``, ``values`` and ``bias`` as ``torch.autocast`` hands them to ``F.linear`` (a lower-precision
-    op there): inside an autocast region enabled for ``x``'s device, each float32/half tensor in the
-    autocast dtype (float64 ones as they are); outside, unchanged. The values' cast is differentiable:
-    their gradient is float32, as an ``nn.Linear`` weight's under autocast."""
-    # (one cheap test outside every region: the decode step's layers pass here)
-    if not torch._C._is_any_autocast_enabled() or not torch.is_autocast_enabled(x.device.type):
-        return x, values, bias
-    low = torch.get_autocast_dtype(x.device.type)
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(low) if t.is_floating_point() and t.dtype is not torch.float64 else t
-
-    return cast(x), cast(values), None if bias is None else cast(bias)
+    """``x``, ``values`` and ``bias`` as ``torch.autocast`` hands them to ``F.linear``
+    (:func:`~bsrkit.validation.autocast_inputs`): their gradients are float32, as an ``nn.Linear``
+    weight's under autocast."""
+    return autocast_inputs(x.device.type, (x, values, bias))
 
 
 def _check_divides(op: str, blocksize: tuple[int, int], features: tuple[int, int]) -> None:

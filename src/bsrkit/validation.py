@@ -22,6 +22,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "ArgumentTypeError",
     "MixedDtypeError",
+    "autocast_inputs",
     "broadcast_batch",
     "byte_span",
     "check_blocksize",
@@ -106,6 +107,23 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
     ``-t``; torch's ops read the bit, while bsrkit's kernels read the memory: every dense operand passes
     through here first. (Real dtypes carry no conjugate bit.)"""
     return t.resolve_neg() if t.is_neg() else t
+
+
+def autocast_inputs(device_type: str, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``tensors`` as ``torch.autocast`` hands them to one of its lower-precision ops (``F.linear``,
+    ``F.scaled_dot_product_attention``): inside an autocast region enabled for ``device_type``, each
+    float32/half tensor in the autocast dtype (float64 and non-floating ones, and non-tensors, as they
+    are); outside, unchanged. The casts are differentiable: a float32 leaf gets a float32 gradient."""
+    # (one cheap test outside every region: a decode step's layers pass here)
+    if not torch._C._is_any_autocast_enabled() or not torch.is_autocast_enabled(device_type):
+        return tensors
+    low = torch.get_autocast_dtype(device_type)
+    return tuple(
+        t.to(low)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype is not torch.float64
+        else t
+        for t in tensors
+    )
 
 
 def check_strided(op: str, name: str, t: Any, min_ndim: int = 2) -> None:

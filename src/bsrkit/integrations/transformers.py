@@ -13,7 +13,8 @@ causal attention) becomes a bool BSR mask of the largest blocksize of 128, 64, 3
 and S, built once per mask tensor (every layer receives the same one) and cached for as long as that
 tensor lives; without a mask (plain causal attention), each layer builds its causal mask (none is kept
 alive: one at L = 8192 holds 34 MB). Grouped-query attention repeats the key and value heads. A padded
-query row with nothing to attend gives 0, as SDPA.
+query row with nothing to attend gives 0, as SDPA. A user's mask that broadcasts over the queries or keys
+(``(B, 1, 1, S)``) is broadcast, as SDPA does.
 Cases it cannot run fall back to transformers' own SDPA path with the same arguments: decoding (one query
 row), no blocksize dividing L and S, float masks, position biases, attention weights requested, tensors on
 the meta device. Soft-capping and attention sinks (``s_aux``, ``sinks``), which SDPA cannot apply either,
@@ -78,6 +79,11 @@ def attention_forward(
             )
     L, S = query.shape[2], key.shape[2]
     blocksize = None if L == 1 else _blocksize(L, S)  # (a decode step's one row: SDPA, at once)
+    if attention_mask is not None and attention_mask.shape[-2:] != (L, S) and attention_mask.ndim >= 2:
+        try:  # (a user's mask broadcasting over the queries or keys, (B, 1, 1, S): SDPA broadcasts it)
+            attention_mask = attention_mask.expand(*attention_mask.shape[:-2], L, S)
+        except RuntimeError:
+            blocksize = None  # (SDPA names it)
     unsupported = (
         blocksize is None
         or query.is_meta
