@@ -1,4 +1,5 @@
 import collections
+import contextlib
 import functools
 import gc
 import threading
@@ -10,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import bsrkit
 from bsrkit import CacheInfo, TensorKey, weak_lru_cache
 
 
@@ -689,6 +691,118 @@ def test_a_caller_waiting_for_another_threads_computation_gets_a_proven_value():
     owner.join(10)
     assert float(got) == 4.0
     assert float(total(t)) == 4.0 and total.cache_info().stale == 1
+
+
+def test_a_caller_waiting_for_another_threads_failing_computation_gets_its_own_verdict():
+    """An owner's error was handed to a waiter unproven: a waiter that started after a write no version
+    counter saw got the error of the old data (bsrkit: "malformed pattern" for a repaired one)."""
+    started, release = threading.Event(), threading.Event()
+
+    @weak_lru_cache(verify_contents=True)
+    def positive_total(t):
+        started.set()
+        release.wait(10)
+        if (t < 0).any():
+            raise ValueError(f"negative entry in {t.tolist()}")
+        return t.sum().clone()
+
+    t = torch.tensor([-1.0, 2.0])
+    owner_error = []
+
+    def owner():
+        try:
+            positive_total(t)
+        except ValueError as e:
+            owner_error.append(str(e))
+
+    thread = threading.Thread(target=owner)
+    thread.start()
+    assert started.wait(10)
+    t.numpy()[0] = 1.0  # (after the owner's snapshot; no version counter moves)
+    threading.Timer(0.3, release.set).start()
+    got = positive_total(t)  # (waits for the owner, then computes on its own data)
+    thread.join(10)
+    assert owner_error == ["negative entry in [-1.0, 2.0]"] and float(got) == 3.0
+
+
+@pytest.mark.parametrize("waiters", [0, 2])
+def test_a_raising_call_frees_its_arguments_without_the_cycle_collector(waiters):
+    """The error held the call's frame, which held the computation the error was stored in: a cycle that
+    kept the arguments (a failed product's operands) alive until the cycle collector ran."""
+    release = threading.Event()
+
+    @weak_lru_cache()
+    def boom(t):
+        release.wait(5)
+        raise RuntimeError("no")
+
+    box = [torch.ones(1000)]
+    alive = weakref.ref(box[0])
+
+    def call():
+        with contextlib.suppress(RuntimeError):
+            boom(box[0])
+
+    gc.collect()
+    gc.disable()
+    try:
+        threads = [threading.Thread(target=call) for _ in range(waiters)]
+        for th in threads:
+            th.start()
+        threading.Timer(0.2, release.set).start()
+        call()
+        for th in threads:
+            th.join(10)
+        box.clear()
+        del threads
+        assert alive() is None
+        crow, col = torch.tensor([0, 2, 1]), torch.tensor([0, 1])  # (crow decreases: malformed)
+        values, x = torch.randn(2, 2, 2), torch.randn(4, 3)
+        bsr = torch.sparse_bsr_tensor(crow, col, values, size=(4, 4), check_invariants=False)
+        refs = weakref.ref(values), weakref.ref(x)
+        with pytest.raises(ValueError, match="malformed bsr"):
+            bsrkit.bsr_dense_mm(bsr, x)
+        del bsr, crow, col, values, x
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()
+
+
+def test_a_value_holding_its_argument_through_a_tensor_attribute_is_refused():
+    """A tensor's Python attributes were not looked into: the entry pinned the argument for ever."""
+
+    @weak_lru_cache(maxsize=None)
+    def summary(t):
+        s = t.sum().clone()
+        s.source = t
+        return s
+
+    with pytest.raises(ValueError, match="shares memory with one of its tensor arguments"):
+        summary(torch.randn(8))
+    assert summary.cache_info().currsize == 0
+
+
+def test_a_refused_stale_hit_is_never_counted_even_with_a_clear_inside_the_proof(monkeypatch):
+    """A hit was counted before its proof and taken back after it: a clear() in between left hits at -1."""
+    from bsrkit import freshness
+
+    @weak_lru_cache(verify_contents=True)
+    def total(t):
+        return t.sum().clone()
+
+    t = torch.zeros(4)
+    total(t)
+    t.numpy()[0] = 1.0
+    real = freshness.Snapshot.unchanged
+
+    def clear_then_compare(self):
+        total.cache_clear()
+        return real(self)
+
+    monkeypatch.setattr(freshness.Snapshot, "unchanged", clear_then_compare)
+    assert float(total(t)) == 1.0
+    info = total.cache_info()
+    assert info.hits >= 0 and info.misses >= 0, info
 
 
 def test_a_given_tensor_key_reads_its_tensors_versions_now():

@@ -197,10 +197,10 @@ class _CacheState:
                         value = entry.cell.get(0, _MISSING)
                         if value is not _MISSING:
                             self.entries.move_to_end(key)
-                            self.hits += 1
                             if entry.proof is None:
+                                self.hits += 1
                                 return value
-                            unproven = entry  # (the data is compared outside the lock)
+                            unproven = entry  # (the data is compared outside the lock; a hit once proven)
                     if unproven is None:
                         pending = self.inflight.get(key)
                         if pending is None or not pending.latch.locked():
@@ -215,14 +215,13 @@ class _CacheState:
                             self.misses += 1
                             reentrant = True
                             break
-                        if pending.version == version:
-                            self.hits += 1
+                # (hits proven outside the lock are counted without it: plain counters, see info)
                 if unproven is not None:
                     if unproven.proof is None or unproven.proof.unchanged():
+                        self.hits += 1
                         return value
                     # Derived from data that has changed since: not a hit. Drop the entry and look again.
                     with self.lock:
-                        self.hits -= 1
                         self.stale += 1
                         if self.entries.get(key) is unproven:
                             del self.entries[key]
@@ -235,16 +234,23 @@ class _CacheState:
                     pass
                 if pending.version == version:
                     if pending.ok:
-                        # (the owner's snapshot may predate a write no counter saw: proven as a hit is)
+                        # (the owner's snapshot may predate a write no counter saw: proven as a hit is;
+                        # if not, the entry it left is found stale next)
                         if pending.proof is None or pending.proof.unchanged():
+                            self.hits += 1
                             return pending.value
-                        with self.lock:
-                            self.hits -= 1  # (not a hit: the entry it left is found stale next)
                         continue
-                    if isinstance(pending.error, Exception):
-                        raise pending.error
-                # The computation started before an in-place change (stale for us), or its owner was
-                # interrupted: look again.
+                    error = pending.error
+                    # (an error computed from a snapshot is not proven for this call: it computes its own)
+                    if isinstance(error, Exception) and not self.verify_contents:
+                        self.hits += 1
+                        pending = None  # (no cycle: error -> its traceback -> this frame -> error)
+                        try:
+                            raise error
+                        finally:
+                            error = None
+                # The computation started before an in-place change (stale for us), its owner was
+                # interrupted, or its error is not proven for us: look again.
             if reentrant:
                 return self._compute(args, kwargs)[0]
             assert mine is not None
@@ -263,6 +269,7 @@ class _CacheState:
                 with self.lock:
                     if self.inflight.get(key) is mine:
                         del self.inflight[key]
+                mine = None  # (no cycle: its error -> the traceback -> this frame -> mine -> its error)
 
     def _compute(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Snapshot | None]:
         """``(func's value, the snapshot it was derived from)``. With ``verify_contents``, func reads the

@@ -21,7 +21,8 @@ _byte_bounds = _array_utils.byte_bounds if _array_utils is not None else np.byte
 
 def value_arrays(value: Any) -> list[Any]:
     """Tensors, storages, numpy arrays and ``bytes`` held by a value, each once, looking inside tuples,
-    lists, dicts, sets and other objects' attributes (``__dict__``, ``__slots__``: a dataclass), or, for
+    lists, dicts, sets and other objects' attributes (``__dict__``, ``__slots__``: a dataclass; a tensor's
+    Python attributes too), or, for
     an object whose class lists what it owns (``cache_footprint(self)``, an iterable of such values: a
     plan object, e.g. :class:`bsrkit.plans.Pattern`), inside that only."""
     found: list[Any] = []
@@ -34,6 +35,10 @@ def value_arrays(value: Any) -> list[Any]:
         seen.add(id(v))
         if isinstance(v, (torch.Tensor, np.ndarray, torch.UntypedStorage, bytes, bytearray)):
             found.append(v)
+            if isinstance(v, torch.Tensor):  # (and what its Python attributes hold: t.source = argument)
+                attributes = getattr(v, "__dict__", None)
+                if attributes:
+                    stack.extend(attributes.values())
         elif isinstance(v, (tuple, list, deque)):
             stack.extend(v)
         elif isinstance(v, dict):

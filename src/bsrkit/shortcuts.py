@@ -55,7 +55,8 @@ through more signatures than the bound only pays the checks again): :data:`CHECK
 wrapper and one kept weight per live ``values`` tensor (each entry goes when its object dies, by a
 C-function weakref callback). None of them holds a tensor alive beyond its
 owner: kept operands hold aliases of the wrapper's own members, prepared calls hold addresses and index
-arrays, not operands.
+arrays, not operands (a vector loop's call on a copy of dense also keeps that scratch copy, refilled each
+call, at most 1 MiB: up to 16 MiB a pattern or operand, which ``cache_info().nbytes`` does not count).
 
 :func:`info` counts hits and misses (plain counters: exact in one thread, approximate under
 concurrent calls); :func:`clear` empties every table.
