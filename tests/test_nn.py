@@ -326,6 +326,21 @@ def test_loads_a_checkpoint_of_another_nnz(backend, assign, strict):
     assert layer.values.grad is not None and layer.values.grad.shape == source.values.shape
 
 
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_load_of_another_pattern_of_the_same_nnz_drops_the_values_gradient(assign):
+    """Its rows were the old pattern's blocks (read as the new ones' afterwards); another nnz dropped it
+    already. A load of the same pattern keeps it, as nn.Linear's keeps its weight's."""
+    a, b = (BSRLinear(32, 32, 8, density=0.25, generator=torch.Generator().manual_seed(s)) for s in (0, 1))
+    assert not torch.equal(a.col_indices, b.col_indices) and a.values.shape == b.values.shape
+    a(torch.randn(4, 32)).sum().backward()
+    a.load_state_dict(a.state_dict(), assign=assign)
+    assert a.values.grad is not None or assign  # (assign: the checkpoint's Parameter, its own gradient)
+    if assign:
+        a(torch.randn(4, 32)).sum().backward()
+    a.load_state_dict(b.state_dict(), assign=assign)
+    assert a.values.grad is None
+
+
 def test_resuming_from_a_checkpoint_of_another_nnz_keeps_training_the_values():
     """Build, make the optimizer, load the model's then the optimizer's state: the usual resume. The
     values Parameter stays the object the optimizer holds (as nn.Linear's weight does), so the resumed

@@ -234,6 +234,76 @@ def test_sparse_and_masked_dense_runs_choose_the_same_patterns(criterion):
         torch.testing.assert_close(got, dense.get_submodule(name).weight.detach(), rtol=0, atol=1e-12)
 
 
+def test_rigl_grows_by_the_training_gradient_only_whatever_else_runs_backward():
+    """A gradient with respect to the input (adversarial training, saliency) computes no weight gradient:
+    a masked-dense layer's weight hook saw none, while a block-sparse layer's output hook added it to the
+    gradient it grows by (norm ~1e4 against ~0.5), and the two runs chose other patterns."""
+    runs = []
+    for sparse_below in (1.0, None):
+        model = _model(5)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        pruner = _pruner(model, opt, sparse_below=sparse_below, regrow=RigL(fraction=0.5, every=2, until=12))
+        history = []
+        for step in range(12):
+            x, y = _batch(step)
+            x.requires_grad_()
+            torch.autograd.grad(model(x).sum() * 1000, x)
+            model(x).sum().backward(inputs=[x])  # (the same, through backward's inputs)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            pruner.step()
+            history.append(pruner.masks())
+        runs.append((history, pruner))
+    (h1, p1), (h2, p2) = runs
+    assert p1.sparse_layers() == ["0", "2", "4"] and p2.sparse_layers() == []
+    for a, b in zip(h1, h2, strict=True):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    assert sum(bool((b[n] & ~a[n]).any()) for a, b in itertools.pairwise(h1) for n in a) >= 3
+
+
+def test_rigl_warns_when_a_sparse_layers_dense_gradient_was_not_recorded():
+    """A torch.compile'd graph traced without the layer's hooks left its pattern as it was, silently."""
+    model = _model(6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pruner = _pruner(
+        model, opt, regrow=RigL(fraction=0.5, every=2, decay="constant"), start_step=0, end_step=1
+    )
+    x, y = _batch(0)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    pruner.step()  # (sparse now; the next step ends in an update)
+    layer = next(layer for layer in pruner._layers if layer.fqn == "2")
+    layer.capture._handle.remove()  # (as a graph traced without the forward hook)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    before = pruner.masks()["2"]
+    with pytest.warns(
+        RuntimeWarning, match="layer '2' recorded no dense gradient .*skip_nnmodule_hook_guards"
+    ):
+        pruner.step()
+    assert torch.equal(pruner.masks()["2"], before)
+
+
+def test_an_optimizer_naming_its_parameters_names_the_swapped_ones():
+    model = _model(7)
+    opt = torch.optim.Adam(model.named_parameters(), lr=1e-2)
+    pruner = _pruner(model, opt, start_step=0, end_step=1)
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    pruner.step()
+    group = opt.param_groups[0]
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert group["param_names"] == [names[id(p)] for p in group["params"]]
+    assert "0.values" in group["param_names"] and "0.weight" not in group["param_names"]
+    pruner.finalize()
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert group["param_names"] == [names[id(p)] for p in group["params"]]
+
+
 def test_layers_turn_block_sparse_below_the_break_even_density():
     limit = break_even_density("cpu", BS)
     model = _model(4, torch.float32)

@@ -62,6 +62,11 @@ def autocast_operands(
     return autocast_inputs(x.device.type, (x, values, bias))
 
 
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal index tensors, whatever their integer dtypes and devices."""
+    return a.shape == b.shape and torch.equal(a.to(b.device, torch.int64), b.to(torch.int64))
+
+
 def _check_divides(op: str, blocksize: tuple[int, int], features: tuple[int, int]) -> None:
     if features[0] % blocksize[0] or features[1] % blocksize[1]:
         raise ValueError(
@@ -353,6 +358,11 @@ class BSRLinear(nn.Module):
                         setattr(self, name, t.clone())
                     else:
                         _rebind(t, t.clone())
+            values = self._parameters["values"]
+            if not resize and values is not None and values.grad is not None:
+                old_pattern, new_pattern = (before[4], before[6]), (self.crow_indices, self.col_indices)
+                if not all(_equal(a, b) for a, b in zip(old_pattern, new_pattern, strict=True)):
+                    values.grad = None  # (its rows were the old pattern's blocks: dropped, as on a resize)
 
     def _check_checkpoint(
         self,

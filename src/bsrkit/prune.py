@@ -48,6 +48,7 @@ Use::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -376,6 +377,15 @@ class GradualPruner:
         """``mask`` after a drop-and-grow update by the dense gradient ``grad`` (unchanged without one)."""
         assert self.regrow is not None
         if grad is None:
+            if layer.sparse and getattr(repattern.weight_of(layer.module), "grad", None) is not None:
+                warnings.warn(
+                    f"GradualPruner: layer {layer.fqn!r} recorded no dense gradient in a step that "
+                    "trained its weight, so RigL leaves its pattern as it is: its forward hook did not run "
+                    "(a torch.compile'd graph traced without it ran instead: set "
+                    "torch._dynamo.config.skip_nnmodule_hook_guards = False; see docs/pruning.md)",
+                    RuntimeWarning,
+                    stacklevel=4,  # (the caller of step, past torch.no_grad's wrapper)
+                )
             return mask
         growth = repattern.block_view(grad.float(), self.blocksize).pow(2).sum((-1, -2))
         if not bool(growth.isfinite().all()):  # (a step a GradScaler skipped: no gradient to grow by)

@@ -138,15 +138,32 @@ class DenseGradient(GradientRecord):
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
     ) -> None:
         x = args[0] if args else kwargs.get("input")  # (nn.Linear's argument, by position or keyword)
+        values = getattr(module, "values", None)
         if (
             self.armed
             and isinstance(x, torch.Tensor)
             and isinstance(output, torch.Tensor)
             and output.requires_grad
+            and isinstance(values, torch.Tensor)
+            and values.requires_grad  # (a frozen weight has no gradient: a masked-dense one records none)
         ):
             x = x.detach()
-            output.register_hook(functools.partial(self._backward, x.reshape(-1, x.shape[-1])))
+            # The node that accumulates the weight's gradient: a backward that does not run it
+            # (torch.autograd.grad with respect to the input, backward(inputs=...) without the weight)
+            # computes no weight gradient, and records none, as a masked-dense layer's weight hook.
+            view = values.view_as(values).grad_fn  # (grad mode is on: the output requires grad)
+            accumulate = view.next_functions[0][0] if view is not None else None
+            output.register_hook(functools.partial(self._backward, x.reshape(-1, x.shape[-1]), accumulate))
 
-    def _backward(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+    def _backward(self, x: torch.Tensor, accumulate: Any, grad: torch.Tensor) -> None:
+        if accumulate is not None and not _will_run(accumulate):
+            return
         g = grad.detach().reshape(-1, grad.shape[-1])
         self._add(g.mT @ x.to(g.dtype))
+
+
+def _will_run(node: Any) -> bool:
+    """Whether the running backward pass runs ``node`` (torch's private test, which
+    ``torch.utils.checkpoint`` uses too; where it is missing, every node is taken to run)."""
+    test = getattr(torch._C, "_will_engine_execute_node", None)
+    return True if test is None else bool(test(node))

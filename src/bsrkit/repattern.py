@@ -134,13 +134,21 @@ def _flat_history(optimizer: torch.optim.Optimizer | None) -> TypeGuard[torch.op
     return isinstance(optimizer, torch.optim.LBFGS)
 
 
-def _replace(optimizer: torch.optim.Optimizer | None, old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
-    """``new`` in ``old``'s place in the optimizer's parameter groups, with its state."""
+def _replace(
+    optimizer: torch.optim.Optimizer | None, old: nn.Parameter, new: nn.Parameter, leaf: str
+) -> nn.Parameter:
+    """``new`` in ``old``'s place in the optimizer's parameter groups, with its state; where the groups
+    name their parameters (``param_names``: an optimizer built from ``named_parameters()``), ``new`` is
+    named as its module's ``leaf`` attribute (``values`` or ``weight``)."""
     if optimizer is not None:
         for group in optimizer.param_groups:
-            params = group["params"]
-            # (in place: LBFGS, for one, holds the group's list itself)
-            params[:] = [new if p is old else p for p in params]
+            params, names = group["params"], group.get("param_names")
+            for i, p in enumerate(params):
+                if p is old:
+                    params[i] = new  # (in place: LBFGS, for one, holds the group's list itself)
+                    if names is not None and i < len(names):
+                        prefix, dot, _ = names[i].rpartition(".")
+                        names[i] = prefix + dot + leaf
         if _flat_history(optimizer) and new.shape != old.shape:
             # Its state is one history over all parameters flattened, kept on the first: a parameter of
             # another size makes that history meaningless (and its vectors the wrong length). Start again,
@@ -204,7 +212,8 @@ def move(
     if data.shape == param.shape:
         param.copy_(data)
     else:
-        param = _replace(optimizer, param, nn.Parameter(data, requires_grad=param.requires_grad))
+        fresh = nn.Parameter(data, requires_grad=param.requires_grad)
+        param = _replace(optimizer, param, fresh, "values" if sparse else "weight")
     param.grad = grad
     target = module if sparse_before == sparse else _new_module(module, sparse, blocksize)
     if isinstance(target, BSRLinear):
