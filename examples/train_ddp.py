@@ -49,15 +49,16 @@ def main() -> None:
     if args.steps < 2:
         ap.error(f"--steps must be at least 2 (the first step is not timed), got {args.steps}")
 
-    if "RANK" not in os.environ:  # plain `python`: a process group of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
     threads = os.environ.get("OMP_NUM_THREADS", "1")  # torchrun sets 1 per rank
     torch.set_num_threads(int(threads))
     # bsrkit's CPU kernel runs in numba's thread pool, which NUMBA_NUM_THREADS sizes (default: every
     # core), not OMP_NUM_THREADS: 2 ranks x 2 threads on 2 cores ran 7-10x slower per step here. It must
     # be set before numba is imported, which bsrkit does on the first product.
     os.environ.setdefault("NUMBA_NUM_THREADS", threads)
-    dist.init_process_group("gloo")
+    if "RANK" in os.environ:  # torchrun
+        dist.init_process_group("gloo")
+    else:  # plain `python`: a process group of one, on an in-process store (no port to take)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the {world} ranks")
