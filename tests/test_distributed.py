@@ -392,3 +392,22 @@ def test_tensor_parallel_load_refuses_a_malformed_pattern_by_name(world_of_one, 
         assert torch.equal(t, before[name]), name
     x = torch.randn(2, 32)
     torch.testing.assert_close(tp(x), tp.to_bsr_linear()(x))
+
+
+def test_tensor_parallel_load_of_another_nnz_is_refused_before_anything_loads(world_of_one):
+    """torch's load wrote crow_indices, then failed on the values: the next forward found them apart."""
+    make = lambda seed, d: BSRLinear(64, 48, 16, density=d, generator=torch.Generator().manual_seed(seed))  # noqa: E731
+    tp = BlockRowParallelBSRLinear(make(0, 0.4))
+    before = {k: v.clone() for k, v in tp.state_dict().items()}
+    with pytest.raises(ValueError, match=r"holds \[9\] blocks, this rank's part 5: the parallel layer keeps"):
+        tp.load_state_dict(BlockRowParallelBSRLinear(make(9, 0.75)).state_dict())
+    assert all(torch.equal(t, before[k]) for k, t in tp.state_dict().items())
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(tp(x), tp.to_bsr_linear()(x))
+
+
+def test_tensor_parallel_layer_refuses_a_bias_of_another_dtype_as_bsrlinear(world_of_one):
+    tp = BlockRowParallelBSRLinear(BSRLinear(32, 16, 8, density=0.5, dtype=torch.float64))
+    tp.bias = torch.nn.Parameter(tp.bias.detach().float())
+    with pytest.raises(bsrkit.validation.MixedDtypeError, match="bias"):
+        tp(torch.randn(2, 32, dtype=torch.float64))

@@ -1028,6 +1028,60 @@ def test_a_failed_load_of_the_same_nnz_leaves_the_layer_as_it_was():
     assert_close(layer(x), x @ layer.to_dense().T + layer.bias)
 
 
+@pytest.mark.parametrize("wrap", ["parametrized_bias", "pruned_values"])
+def test_a_failed_load_leaves_a_parametrized_or_pruned_layer_as_it_was(wrap):
+    """The restore put the computed attribute (a plain tensor) into _parameters: a parametrized bias was
+    then read stale (outputs off by 2.2), a pruned layer's every forward raised."""
+    import torch.nn.utils.parametrize as parametrize
+    import torch.nn.utils.prune as prune
+
+    class Twice(torch.nn.Module):
+        def forward(self, b):
+            return b * 2
+
+    layer = BSRLinear(
+        64, 48, 16, density=0.5, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    if wrap == "parametrized_bias":
+        parametrize.register_parametrization(layer, "bias", Twice())
+    else:
+        prune.l1_unstructured(layer, "values", amount=0.3)
+    names = [(n, type(p)) for n, p in layer.named_parameters()]
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    broken = "values" if wrap == "parametrized_bias" else "bias"  # (an entry BSRLinear's own load copies)
+    state[broken] = state[broken].to("meta")  # (cannot be copied from: the load fails there)
+    with pytest.raises(RuntimeError):
+        layer.load_state_dict(state)
+    assert [(n, type(p)) for n, p in layer.named_parameters()] == names
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(1.0)  # (the layer reads its parameters as they are now)
+    x = torch.randn(4, 64, dtype=torch.float64)
+    assert_close(layer(x), x @ layer.to_dense().T + layer.bias)
+
+
+def test_a_load_of_another_nnz_under_inference_mode_leaves_the_layer_trainable():
+    """Its new memory was made there: inference tensors, which backward cannot save (nn.Linear's load
+    copies into its own)."""
+    layer = BSRLinear(64, 48, 16, density=0.4, generator=torch.Generator().manual_seed(0))
+    other = BSRLinear(64, 48, 16, density=0.75, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        layer.load_state_dict(other.state_dict())
+    assert not layer.values.is_inference() and not layer.col_indices.is_inference()
+    x = torch.randn(4, 64)
+    layer(x).sum().backward()
+    assert layer.values.grad.shape == other.values.shape
+    assert_close(layer(x), other(x))
+
+
+def test_a_load_of_another_nnz_names_the_entries_that_are_tensors():
+    layer = BSRLinear(64, 48, 16, density=0.4, generator=torch.Generator().manual_seed(0))
+    state = dict(BSRLinear(64, 48, 16, density=0.75, generator=torch.Generator().manual_seed(1)).state_dict())
+    state["values"] = state["values"].tolist()
+    with pytest.raises(ValueError, match=r"together as tensors, got \['crow_indices', 'col_indices'\]"):
+        layer.load_state_dict(state)
+
+
 def test_density_is_the_fraction_of_blocks_stored():
     for seed in range(20):
         layer = BSRLinear(16, 16, 4, density=0.25, generator=torch.Generator().manual_seed(seed))

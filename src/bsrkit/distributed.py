@@ -277,7 +277,18 @@ class BlockRowParallelBSRLinear(nn.Module):
             type(t) is torch.Tensor and t.device.type != "meta" for t in judged
         ):
             blocks = (self.local_out_features // self.blocksize[0], self.in_features // self.blocksize[1])
-            defect = pattern_defect(*judged, *blocks, judged[1].shape[-1] if judged[1].ndim else -1)
+            # (this layer keeps its nnz: a checkpoint of another is refused here, before torch's load
+            # wrote crow_indices and failed on the values, leaving the two apart)
+            nnz, values = self.values.shape[0], state_dict.get(prefix + "values")
+            sizes = {judged[1].shape[-1] if judged[1].ndim else None}
+            sizes |= {values.shape[0] if values.ndim else None} if isinstance(values, torch.Tensor) else set()
+            if sizes != {nnz}:
+                raise ValueError(
+                    f"BlockRowParallelBSRLinear.load_state_dict(): {prefix or 'the checkpoint'} holds "
+                    f"{sorted(sizes, key=str)} blocks, this rank's part {nnz}: the parallel layer keeps its "
+                    "nnz (load the whole layer into a BSRLinear and parallelize it)"
+                )
+            defect = pattern_defect(*judged, *blocks, nnz)
             if defect is not None:
                 raise ValueError(
                     f"BlockRowParallelBSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices "
@@ -306,8 +317,10 @@ class BlockRowParallelBSRLinear(nn.Module):
             )
         lead = x.shape[:-1]
         x, values, bias = autocast_operands(x, self.values, self.bias)  # (as BSRLinear's)
-        if x.dtype is not values.dtype:
+        if x.dtype is not values.dtype or (bias is not None and bias.dtype is not values.dtype):
             check_operand_dtypes(op, "input", x, "values", values)
+            if bias is not None:  # (as BSRLinear's, as F.linear: one dtype for the three)
+                check_operand_dtypes(op, "bias", bias, "values", values)
         x2 = _ReplicatedInput.apply(x.reshape(-1, self.in_features), self.group)
         # y_r = x W_r^T (row-major, as BSRLinear's): its transpose's rows are this rank's output features,
         # gathered along the first dimension.

@@ -407,8 +407,8 @@ class BSRLinear(nn.Module):
         if nnz != self.values.shape[0] and not all(isinstance(t, torch.Tensor) for t in parts.values()):
             raise ValueError(
                 f"BSRLinear.load_state_dict(): a checkpoint with nnz == {nnz} (this layer has "
-                f"{self.values.shape[0]}) must hold crow_indices, col_indices and values together, got only "
-                f"{[prefix + n for n, t in parts.items() if t is not None]}"
+                f"{self.values.shape[0]}) must hold crow_indices, col_indices and values together as "
+                f"tensors, got {[prefix + n for n, t in parts.items() if isinstance(t, torch.Tensor)]}"
             )
         if pattern is not None:
             self._check_pattern(prefix, pattern, blocks, nnz)
@@ -432,7 +432,9 @@ class BSRLinear(nn.Module):
         as the usual ``optimizer.load_state_dict`` after the model's does). Its old gradient is dropped.
         ``col_indices`` stays the same object too (new memory, ``set_``): layers that share it stay tied."""
         values, col = self.values, self.col_indices
-        with torch.no_grad():
+        # (under inference mode too, the new memory is of the layer's own kind: an inference tensor there
+        # made the layer untrainable afterwards)
+        with torch.no_grad(), torch.inference_mode(values.is_inference()):
             if values.shape[0] != nnz:
                 # A graph of an earlier forward may hold values' gradient accumulator, made for the old
                 # shape, which autograd reuses while it lives (the next backward failed on its shape):
@@ -450,20 +452,27 @@ class BSRLinear(nn.Module):
         """What :meth:`_restore` needs to put the layer back as it is now (after a failed load): copies of
         what a load writes in place (the values only if ``copy_values``: a resize gives them new memory
         first, so the old stay as they are)."""
-        values, crow, col, bias = self.values, self.crow_indices, self.col_indices, self.bias
+        # (the registered Parameters, not the attributes: a parametrization or torch's prune keeps the
+        # real one under another name and computes the attribute, which is no Parameter to put back)
+        params = {name: self._parameters[name] for name in ("values", "bias") if name in self._parameters}
+        values, bias = params.get("values"), params.get("bias")
+        crow, col = self.crow_indices, self.col_indices
         kept_bias = None if bias is None else bias.detach().clone()
-        data = values.detach().clone() if copy_values else values.data
-        return (values, data, values.grad, crow, crow.clone(), col, col.detach().clone(), bias, kept_bias)
+        data = None if values is None else values.detach().clone() if copy_values else values.data
+        grad = None if values is None else values.grad
+        return (params, data, grad, crow, crow.clone(), col, col.detach().clone(), kept_bias)
 
     def _restore(self, parts: tuple[Any, ...]) -> None:
-        values, data, grad, crow, crow_copy, col, col_alias, bias, bias_copy = parts
+        params, data, grad, crow, crow_copy, col, col_alias, bias_copy = parts
+        values, bias = params.get("values"), params.get("bias")
         with torch.no_grad():
-            values.data, values.grad = data, grad
+            if values is not None:
+                values.data, values.grad = data, grad
             crow.copy_(crow_copy)
             _rebind(col, col_alias)
             if bias is not None:
                 bias.copy_(bias_copy)
-        self._parameters["values"], self._parameters["bias"] = values, bias
+        self._parameters.update(params)
         self._buffers["crow_indices"], self._buffers["col_indices"] = crow, col
 
     def extra_repr(self) -> str:
