@@ -59,6 +59,8 @@ def autocast_operands(
     """``x``, ``values`` and ``bias`` as ``torch.autocast`` hands them to ``F.linear``
     (:func:`~bsrkit.validation.autocast_inputs`): their gradients are float32, as an ``nn.Linear``
     weight's under autocast."""
+    if not torch._C._is_any_autocast_enabled():  # (first: every decode step's layers pass here)
+        return x, values, bias
     return autocast_inputs(x.device.type, (x, values, bias))
 
 
