@@ -680,3 +680,18 @@ def test_attention_under_autocast_casts_as_torchs_sdpa_and_differentiates_the_fl
             bsrkit.scaled_dot_product_attention(q64, q64, q64, bsrkit.causal_mask(32, 16)).dtype
             == torch.float64
         )
+
+
+def test_a_float_mask_under_autocast_keeps_its_plans():
+    """The cast copied the mask's index tensors, whose memory keys its plans: every call missed."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 64, 16, generator=g) for _ in range(3))
+    mask = torch.randn(64, 64, generator=g).to_sparse_bsr(16)
+    bsrkit.cache_clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(4):
+            got = bsrkit.scaled_dot_product_attention(q, k, v, mask)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask.to_dense())
+    assert plans._plan.cache_info().hits >= 3 and plans._plan.cache_info().misses == 1
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)

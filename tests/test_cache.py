@@ -725,13 +725,44 @@ def test_a_caller_waiting_for_another_threads_failing_computation_gets_its_own_v
     assert owner_error == ["negative entry in [-1.0, 2.0]"] and float(got) == 3.0
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_concurrent_calls_that_raise_run_the_function_once_while_the_data_stays(verify):
+    """An error is proven for a waiter as a value is: with the data unchanged, it is shared."""
+    runs, barrier, release = [], threading.Barrier(4), threading.Event()
+
+    @weak_lru_cache(verify_contents=verify)
+    def boom(t):
+        runs.append(1)
+        release.wait(5)
+        raise RuntimeError("no")
+
+    t = torch.ones(3)
+    errors = []
+
+    def call():
+        barrier.wait()
+        try:
+            boom(t)
+        except RuntimeError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for th in threads:
+        th.start()
+    threading.Timer(0.3, release.set).start()
+    for th in threads:
+        th.join(10)
+    assert len(errors) == 4 and len(runs) == 1 and boom.cache_info().hits == 3
+
+
+@pytest.mark.parametrize("verify", [False, True])
 @pytest.mark.parametrize("waiters", [0, 2])
-def test_a_raising_call_frees_its_arguments_without_the_cycle_collector(waiters):
+def test_a_raising_call_frees_its_arguments_without_the_cycle_collector(waiters, verify):
     """The error held the call's frame, which held the computation the error was stored in: a cycle that
     kept the arguments (a failed product's operands) alive until the cycle collector ran."""
     release = threading.Event()
 
-    @weak_lru_cache()
+    @weak_lru_cache(verify_contents=verify)
     def boom(t):
         release.wait(5)
         raise RuntimeError("no")

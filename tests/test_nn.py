@@ -1060,6 +1060,36 @@ def test_a_failed_load_leaves_a_parametrized_or_pruned_layer_as_it_was(wrap):
     assert_close(layer(x), x @ layer.to_dense().T + layer.bias)
 
 
+@pytest.mark.parametrize("wrap", ["prune", "weight_norm"])
+def test_a_pruned_or_weight_normed_layer_loads_its_state_and_a_failed_load_restores_it(wrap):
+    """A successful load raised KeyError 'values' (the gradient check read the moved parameter by name);
+    a failed one restored values and bias only, leaving prune's values_orig the checkpoint's: silently
+    other outputs."""
+    import torch.nn.utils.prune as prune
+
+    def make(seed):
+        layer = BSRLinear(
+            32, 32, 8, density=0.5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)
+        )
+        if wrap == "prune":
+            prune.l1_unstructured(layer, "values", amount=0.2)
+        else:
+            torch.nn.utils.weight_norm(layer, name="values", dim=0)
+        return layer
+
+    layer, other = make(0), make(1)
+    x = torch.randn(4, 32, dtype=torch.float64)
+    before = layer(x).detach()
+    layer.load_state_dict({k: v.clone() for k, v in layer.state_dict().items()})
+    assert_close(layer(x), before)
+    state = other.state_dict()
+    broken = "values_mask" if wrap == "prune" else "values_g"
+    state[broken] = state[broken][:-1]  # (the wrong shape: torch's load fails there, after the others)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        layer.load_state_dict(state)
+    assert_close(layer(x), before)
+
+
 def test_a_load_of_another_nnz_under_inference_mode_leaves_the_layer_trainable():
     """Its new memory was made there: inference tensors, which backward cannot save (nn.Linear's load
     copies into its own)."""

@@ -6,6 +6,7 @@ import gc
 import itertools
 import os
 import resource
+import warnings
 
 import pytest
 import torch
@@ -285,6 +286,50 @@ def test_rigl_warns_when_a_sparse_layers_dense_gradient_was_not_recorded():
     ):
         pruner.step()
     assert torch.equal(pruner.masks()["2"], before)
+
+
+def test_rigl_takes_gradients_returned_by_autograd_grad_and_warns_about_no_skipped_layer():
+    """torch.autograd.grad with respect to the parameters (then assigned as .grad): torch's test of the
+    weight's gradient node raised for a leaf it returns. A layer the update step skipped (zero_grad with
+    set_to_none=False) was warned about as if its hook had not run."""
+    runs = []
+    for sparse_below in (1.0, None):
+        model = _model(8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        pruner = _pruner(model, opt, sparse_below=sparse_below, regrow=RigL(fraction=0.5, every=2, until=8))
+        history = []
+        for step in range(8):
+            x, y = _batch(step)
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt.zero_grad(set_to_none=False)
+            grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), params)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            opt.step()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                pruner.step()
+            history.append(pruner.masks())
+        runs.append(history)
+    for a, b in zip(*runs, strict=True):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    assert sum(bool((b[n] & ~a[n]).any()) for a, b in itertools.pairwise(runs[0]) for n in a) >= 2
+    model = _model(9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pruner = _pruner(
+        model, opt, regrow=RigL(fraction=0.5, every=2, decay="constant"), start_step=0, end_step=1
+    )
+    for step in range(4):  # (step 1, an update step, skips layer 2)
+        x, y = _batch(step)
+        opt.zero_grad(set_to_none=False)
+        h = model[1](model[0](x))
+        if step != 1:
+            h = model[3](model[2](h))
+        nn.functional.mse_loss(model[4](h), y).backward()
+        opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            pruner.step()
 
 
 def test_an_optimizer_naming_its_parameters_names_the_swapped_ones():

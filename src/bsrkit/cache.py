@@ -241,8 +241,8 @@ class _CacheState:
                             return pending.value
                         continue
                     error = pending.error
-                    # (an error computed from a snapshot is not proven for this call: it computes its own)
-                    if isinstance(error, Exception) and not self.verify_contents:
+                    # (as a value: computed from the data this call passed, or it computes its own)
+                    if isinstance(error, Exception) and (pending.proof is None or pending.proof.unchanged()):
                         self.hits += 1
                         pending = None  # (no cycle: error -> its traceback -> this frame -> error)
                         try:
@@ -250,11 +250,11 @@ class _CacheState:
                         finally:
                             error = None
                 # The computation started before an in-place change (stale for us), its owner was
-                # interrupted, or its error is not proven for us: look again.
+                # interrupted, or its error was computed from data written since: look again.
             if reentrant:
                 return self._compute(args, kwargs)[0]
             assert mine is not None
-            value, proof = self._compute(args, kwargs)
+            value, proof = self._compute(args, kwargs, mine)
             self._insert(key, keys, value, version, proof)
             mine.value, mine.proof = value, proof
             mine.ok = True
@@ -271,12 +271,15 @@ class _CacheState:
                         del self.inflight[key]
                 mine = None  # (no cycle: its error -> the traceback -> this frame -> mine -> its error)
 
-    def _compute(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Snapshot | None]:
+    def _compute(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], inflight: _InFlight | None = None
+    ) -> tuple[Any, Snapshot | None]:
         """``(func's value, the snapshot it was derived from)``. With ``verify_contents``, func reads the
         snapshot's copy of its tensor arguments' data, never their memory (see :mod:`bsrkit.freshness`):
         each tensor argument (or the tensor of a :class:`TensorKey`) is replaced by one of the same
         metadata on that copy."""
         if not self.verify_contents:
+            inflight = None  # (its frame, in an error's traceback, must not hold the computation: a cycle)
             return self.func(*args, **kwargs), None
         found: list[torch.Tensor] = []
 
@@ -288,6 +291,9 @@ class _CacheState:
         data = [content_tensors(t) for t in found]
         flat = [d for parts in data for d in parts]
         proof = Snapshot(flat)
+        if inflight is not None:  # (before the call: waiters prove an error against it too)
+            inflight.proof = proof
+            inflight = None
         copies = iter(proof.copies(flat))
         pairs = zip(found, data, strict=True)
         twins = iter([with_data(t, tuple(next(copies) for _ in parts)) for t, parts in pairs])
@@ -500,8 +506,9 @@ def weak_lru_cache(
 
     The wrapper has ``cache_info()`` -> :class:`CacheInfo` ``(hits, misses, maxsize, currsize, nbytes,
     dead_evictions, stale)``, ``cache_clear()`` and ``__wrapped__``. Concurrent calls with the same key
-    run the function once; the others wait and count as hits; an ``Exception`` reaches every waiter and
-    nothing is cached (after a ``KeyboardInterrupt`` in the running call, a waiter computes the value
+    run the function once; the others wait and count as hits; an ``Exception`` reaches every waiter (with
+    ``verify_contents``, every waiter whose data is still what the call read: another computes its own)
+    and nothing is cached (after a ``KeyboardInterrupt`` in the running call, a waiter computes the value
     itself). A value that shares memory with one of its tensor arguments (the tensor, a view of it, its
     storage, an alias of its memory such as ``torch.from_dlpack``'s; inside tuples, lists, deques,
     dicts, sets and objects' attributes) is refused with a ``ValueError``: it would keep that memory,

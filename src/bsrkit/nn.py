@@ -360,9 +360,11 @@ class BSRLinear(nn.Module):
                         setattr(self, name, t.clone())
                     else:
                         _rebind(t, t.clone())
-            values = self._parameters["values"]
+            values = self._parameters.get("values")  # (None where torch's prune or weight norm moved it)
             if not resize and values is not None and values.grad is not None:
-                old_pattern, new_pattern = (before[4], before[6]), (self.crow_indices, self.col_indices)
+                kept = before[2]
+                old_pattern = (kept["crow_indices"], kept["col_indices"])
+                new_pattern = (self.crow_indices, self.col_indices)
                 if not all(_equal(a, b) for a, b in zip(old_pattern, new_pattern, strict=True)):
                     values.grad = None  # (its rows were the old pattern's blocks: dropped, as on a resize)
 
@@ -451,31 +453,31 @@ class BSRLinear(nn.Module):
                 _rebind(col, col.new_empty(nnz))
 
     def _parts(self, copy_values: bool) -> tuple[Any, ...]:
-        """What :meth:`_restore` needs to put the layer back as it is now (after a failed load): copies of
-        what a load writes in place (the values only if ``copy_values``: a resize gives them new memory
-        first, so the old stay as they are)."""
-        # (the registered Parameters, not the attributes: a parametrization or torch's prune keeps the
-        # real one under another name and computes the attribute, which is no Parameter to put back)
-        params = {name: self._parameters[name] for name in ("values", "bias") if name in self._parameters}
-        values, bias = params.get("values"), params.get("bias")
-        crow, col = self.crow_indices, self.col_indices
-        kept_bias = None if bias is None else bias.detach().clone()
-        data = None if values is None else values.detach().clone() if copy_values else values.data
-        grad = None if values is None else values.grad
-        return (params, data, grad, crow, crow.clone(), col, col.detach().clone(), kept_bias)
+        """What :meth:`_restore` needs to put the layer back as it is now (after a failed load): its
+        registered parameters and buffers (the objects: ``assign=True`` replaces them; torch's prune and
+        weight norm keep the real ones under names of their own, and the attributes they compute are no
+        parameters), a copy of each one's memory (a load writes it in place; the values' memory itself
+        unless ``copy_values``: a resize gives them new memory first, so the old stays as it is), and the
+        values' gradient."""
+        values = self._parameters.get("values")
+        kept: dict[str, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor | None] = {**self._parameters, **self._buffers}
+        for name, t in tensors.items():
+            if t is not None:
+                kept[name] = t.detach().clone() if copy_values or name != "values" else t.data
+        return dict(self._parameters), dict(self._buffers), kept, None if values is None else values.grad
 
     def _restore(self, parts: tuple[Any, ...]) -> None:
-        params, data, grad, crow, crow_copy, col, col_alias, bias_copy = parts
-        values, bias = params.get("values"), params.get("bias")
-        with torch.no_grad():
-            if values is not None:
-                values.data, values.grad = data, grad
-            crow.copy_(crow_copy)
-            _rebind(col, col_alias)
-            if bias is not None:
-                bias.copy_(bias_copy)
+        params, buffers, kept, grad = parts
         self._parameters.update(params)
-        self._buffers["crow_indices"], self._buffers["col_indices"] = crow, col
+        self._buffers.update(buffers)
+        with torch.no_grad():
+            for name, t in (*params.items(), *buffers.items()):
+                if t is not None:
+                    t.data = kept[name]  # (the same objects: layers sharing them, tied, stay tied)
+        values = params.get("values")
+        if values is not None:
+            values.grad = grad
 
     def extra_repr(self) -> str:
         nnz = self.values.shape[0]

@@ -377,7 +377,8 @@ class GradualPruner:
         """``mask`` after a drop-and-grow update by the dense gradient ``grad`` (unchanged without one)."""
         assert self.regrow is not None
         if grad is None:
-            if layer.sparse and getattr(repattern.weight_of(layer.module), "grad", None) is not None:
+            trained = getattr(repattern.weight_of(layer.module), "grad", None)  # (zeros: not this step)
+            if layer.sparse and trained is not None and bool(trained.any()):
                 warnings.warn(
                     f"GradualPruner: layer {layer.fqn!r} recorded no dense gradient in a step that "
                     "trained its weight, so RigL leaves its pattern as it is: its forward hook did not run "

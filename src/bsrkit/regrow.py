@@ -163,7 +163,12 @@ class DenseGradient(GradientRecord):
 
 
 def _will_run(node: Any) -> bool:
-    """Whether the running backward pass runs ``node`` (torch's private test, which
-    ``torch.utils.checkpoint`` uses too; where it is missing, every node is taken to run)."""
+    """Whether the running backward pass runs ``node``, the weight's gradient accumulator (torch's private
+    test, which ``torch.utils.checkpoint`` uses too; where it is missing, every node is taken to run)."""
     test = getattr(torch._C, "_will_engine_execute_node", None)
-    return True if test is None else bool(test(node))
+    if test is None:
+        return True
+    try:
+        return bool(test(node))
+    except RuntimeError:  # (torch does not answer for a leaf torch.autograd.grad returns: its gradient is
+        return True  # computed, as a masked-dense layer's weight hook sees it)

@@ -119,11 +119,20 @@ def autocast_inputs(device_type: str, tensors: tuple[Any, ...]) -> tuple[Any, ..
         return tensors
     low = torch.get_autocast_dtype(device_type)
     return tuple(
-        t.to(low)
+        _cast(t, low)
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype is not torch.float64
         else t
         for t in tensors
     )
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``; a BSR tensor (a float attention mask) on its own index tensors, whose memory keys
+    its cached plans (``Tensor.to`` copies them: every call missed)."""
+    if t.layout is torch.sparse_bsr:
+        crow, col, values = t.crow_indices(), t.col_indices(), t.values()
+        return torch.sparse_bsr_tensor(crow, col, values.to(dtype), size=t.shape, check_invariants=False)
+    return t.to(dtype)
 
 
 def check_strided(op: str, name: str, t: Any, min_ndim: int = 2) -> None:
