@@ -235,32 +235,43 @@ def test_sparse_and_masked_dense_runs_choose_the_same_patterns(criterion):
         torch.testing.assert_close(got, dense.get_submodule(name).weight.detach(), rtol=0, atol=1e-12)
 
 
+def _same_rigl_patterns(seed, steps, train):
+    """Run RigL block-sparse and masked dense, each step's training done by ``train(model, opt, x, y)``;
+    assert both chose the same patterns, some of them grown."""
+    runs = []
+    for sparse_below in (1.0, None):
+        model = _model(seed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        pruner = _pruner(
+            model, opt, sparse_below=sparse_below, regrow=RigL(fraction=0.5, every=2, until=steps)
+        )
+        history = []
+        for step in range(steps):
+            train(model, opt, *_batch(step))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                pruner.step()
+            history.append(pruner.masks())
+        runs.append(history)
+    for a, b in zip(*runs, strict=True):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    assert sum(bool((b[n] & ~a[n]).any()) for a, b in itertools.pairwise(runs[0]) for n in a) >= 2
+
+
 def test_rigl_grows_by_the_training_gradient_only_whatever_else_runs_backward():
     """A gradient with respect to the input (adversarial training, saliency) computes no weight gradient:
     a masked-dense layer's weight hook saw none, while a block-sparse layer's output hook added it to the
     gradient it grows by (norm ~1e4 against ~0.5), and the two runs chose other patterns."""
-    runs = []
-    for sparse_below in (1.0, None):
-        model = _model(5)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        pruner = _pruner(model, opt, sparse_below=sparse_below, regrow=RigL(fraction=0.5, every=2, until=12))
-        history = []
-        for step in range(12):
-            x, y = _batch(step)
-            x.requires_grad_()
-            torch.autograd.grad(model(x).sum() * 1000, x)
-            model(x).sum().backward(inputs=[x])  # (the same, through backward's inputs)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            pruner.step()
-            history.append(pruner.masks())
-        runs.append((history, pruner))
-    (h1, p1), (h2, p2) = runs
-    assert p1.sparse_layers() == ["0", "2", "4"] and p2.sparse_layers() == []
-    for a, b in zip(h1, h2, strict=True):
-        assert all(torch.equal(a[n], b[n]) for n in a)
-    assert sum(bool((b[n] & ~a[n]).any()) for a, b in itertools.pairwise(h1) for n in a) >= 3
+
+    def train(model, opt, x, y):
+        x.requires_grad_()
+        torch.autograd.grad(model(x).sum() * 1000, x)
+        model(x).sum().backward(inputs=[x])  # (the same, through backward's inputs)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    _same_rigl_patterns(5, 12, train)
 
 
 def test_rigl_warns_when_a_sparse_layers_dense_gradient_was_not_recorded():
@@ -292,28 +303,16 @@ def test_rigl_takes_gradients_returned_by_autograd_grad_and_warns_about_no_skipp
     """torch.autograd.grad with respect to the parameters (then assigned as .grad): torch's test of the
     weight's gradient node raised for a leaf it returns. A layer the update step skipped (zero_grad with
     set_to_none=False) was warned about as if its hook had not run."""
-    runs = []
-    for sparse_below in (1.0, None):
-        model = _model(8)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        pruner = _pruner(model, opt, sparse_below=sparse_below, regrow=RigL(fraction=0.5, every=2, until=8))
-        history = []
-        for step in range(8):
-            x, y = _batch(step)
-            params = [p for p in model.parameters() if p.requires_grad]
-            opt.zero_grad(set_to_none=False)
-            grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), params)
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            opt.step()
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", RuntimeWarning)
-                pruner.step()
-            history.append(pruner.masks())
-        runs.append(history)
-    for a, b in zip(*runs, strict=True):
-        assert all(torch.equal(a[n], b[n]) for n in a)
-    assert sum(bool((b[n] & ~a[n]).any()) for a, b in itertools.pairwise(runs[0]) for n in a) >= 2
+
+    def train(model, opt, x, y):
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt.zero_grad(set_to_none=False)
+        grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), params)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+
+    _same_rigl_patterns(8, 8, train)
     model = _model(9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     pruner = _pruner(
