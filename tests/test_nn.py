@@ -1104,6 +1104,20 @@ def test_a_load_of_another_nnz_under_inference_mode_leaves_the_layer_trainable()
     assert_close(layer(x), other(x))
 
 
+@pytest.mark.parametrize("density", [0.4, 0.75])
+def test_a_failed_load_under_inference_mode_leaves_the_layer_trainable(density):
+    """The restore's copies were made under the caller's inference mode and put back into the layer."""
+    layer = BSRLinear(64, 48, 16, density=0.4, generator=torch.Generator().manual_seed(0))
+    state = dict(
+        BSRLinear(64, 48, 16, density=density, generator=torch.Generator().manual_seed(1)).state_dict()
+    )
+    state["bias"] = [0.0] * 48  # (torch's load refuses it: the layer is put back)
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        layer.load_state_dict(state)
+    assert not any(t.is_inference() for t in (*layer.parameters(), *layer.buffers()))
+    layer(torch.randn(4, 64)).sum().backward()
+
+
 def test_a_load_of_another_nnz_names_the_entries_that_are_tensors():
     layer = BSRLinear(64, 48, 16, density=0.4, generator=torch.Generator().manual_seed(0))
     state = dict(BSRLinear(64, 48, 16, density=0.75, generator=torch.Generator().manual_seed(1)).state_dict())

@@ -464,7 +464,10 @@ class BSRLinear(nn.Module):
         tensors: dict[str, torch.Tensor | None] = {**self._parameters, **self._buffers}
         for name, t in tensors.items():
             if t is not None:
-                kept[name] = t.detach().clone() if copy_values or name != "values" else t.data
+                # (a copy of the tensor's own kind: one made under the caller's inference mode, put back,
+                # left a trainable layer holding inference tensors)
+                with torch.inference_mode(t.is_inference()):
+                    kept[name] = t.detach().clone() if copy_values or name != "values" else t.data
         return dict(self._parameters), dict(self._buffers), kept, None if values is None else values.grad
 
     def _restore(self, parts: tuple[Any, ...]) -> None:
