@@ -44,7 +44,13 @@ from torch import nn
 from bsrkit import custom_ops, shortcuts
 from bsrkit.nn import BSRLinear, autocast_operands
 from bsrkit.places import module_places, put
-from bsrkit.validation import ArgumentTypeError, check_operand_dtypes, pattern_defect, type_name
+from bsrkit.validation import (
+    ArgumentTypeError,
+    CheckpointMismatchError,
+    check_operand_dtypes,
+    pattern_defect,
+    type_name,
+)
 
 __all__ = ["BlockRowParallelBSRLinear", "parallelize", "split_block_rows"]
 
@@ -263,7 +269,7 @@ class BlockRowParallelBSRLinear(nn.Module):
                               *args: Any, **kwargs: Any) -> None:  # fmt: skip
         part = local_metadata.get(_PART_KEY)  # (absent from older checkpoints: loaded as before)
         if part is not None and tuple(tuple(p) if isinstance(p, list) else p for p in part) != self._part():
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"BlockRowParallelBSRLinear.load_state_dict(): {prefix or 'the checkpoint'} holds the part "
                 f"(out, in, rank, world size, block-row splits) = {tuple(part)}, this rank's is "
                 f"{self._part()} (another rank's part, or another split: load to_bsr_linear()'s whole layer "
@@ -283,14 +289,14 @@ class BlockRowParallelBSRLinear(nn.Module):
             sizes = {judged[1].shape[-1] if judged[1].ndim else None}
             sizes |= {values.shape[0] if values.ndim else None} if isinstance(values, torch.Tensor) else set()
             if sizes != {nnz}:
-                raise ValueError(
+                raise CheckpointMismatchError(
                     f"BlockRowParallelBSRLinear.load_state_dict(): {prefix or 'the checkpoint'} holds "
                     f"{sorted(sizes, key=str)} blocks, this rank's part {nnz}: the parallel layer keeps its "
                     "nnz (load the whole layer into a BSRLinear and parallelize it)"
                 )
             defect = pattern_defect(*judged, *blocks, nnz)
             if defect is not None:
-                raise ValueError(
+                raise CheckpointMismatchError(
                     f"BlockRowParallelBSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices "
                     f"and {prefix}col_indices: {defect}"
                 )

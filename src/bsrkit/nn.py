@@ -25,6 +25,7 @@ from torch import nn
 from bsrkit import custom_ops, dispatch, shortcuts
 from bsrkit.validation import (
     ArgumentTypeError,
+    CheckpointMismatchError,
     autocast_inputs,
     check_blocksize,
     check_density,
@@ -325,7 +326,7 @@ class BSRLinear(nn.Module):
         )
         features = local_metadata.get(_FEATURES_KEY)
         if features is not None and tuple(features) != (self.out_features, self.in_features):
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"BSRLinear.load_state_dict(): {prefix or 'the checkpoint'} is of a BSRLinear with "
                 f"(out_features, in_features) = {tuple(features)}, this layer has "
                 f"{(self.out_features, self.in_features)}"
@@ -377,23 +378,29 @@ class BSRLinear(nn.Module):
         values: Any,
         pattern: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> int | None:
-        """Raise ``ValueError`` for a checkpoint this layer cannot take; return its nnz (None when it
-        holds neither values nor col_indices). ``pattern``: the ``(crow, col)`` it would load, where they
-        can be read (judged here), else None."""
+        """Raise :class:`~bsrkit.validation.CheckpointMismatchError` for a checkpoint this layer cannot
+        take; return its nnz (None when it holds neither values nor col_indices). ``pattern``: the ``(crow,
+        col)`` it would load, where they can be read (judged here), else None."""
         where = f"BSRLinear.load_state_dict(): {prefix}"
         bo, bi = self.blocksize
         blocks = (self.out_features // bo, self.in_features // bi)
         if isinstance(values, torch.Tensor) and (values.ndim != 3 or tuple(values.shape[1:]) != (bo, bi)):
-            raise ValueError(f"{where}values: expected shape (nnz, {bo}, {bi}), got {tuple(values.shape)}")
+            raise CheckpointMismatchError(
+                f"{where}values: expected shape (nnz, {bo}, {bi}), got {tuple(values.shape)}"
+            )
         if isinstance(crow, torch.Tensor) and tuple(crow.shape) != (blocks[0] + 1,):
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"{where}crow_indices: expected shape ({blocks[0] + 1},), got {tuple(crow.shape)}"
             )
         if isinstance(col, torch.Tensor) and col.ndim != 1:
-            raise ValueError(f"{where}col_indices: expected shape (nnz,), got {tuple(col.shape)}")
+            raise CheckpointMismatchError(
+                f"{where}col_indices: expected shape (nnz,), got {tuple(col.shape)}"
+            )
         bias = state_dict.get(prefix + "bias")
         if self.bias is not None and isinstance(bias, torch.Tensor) and bias.shape != self.bias.shape:
-            raise ValueError(f"{where}bias: expected shape {tuple(self.bias.shape)}, got {tuple(bias.shape)}")
+            raise CheckpointMismatchError(
+                f"{where}bias: expected shape {tuple(self.bias.shape)}, got {tuple(bias.shape)}"
+            )
         parts = {"crow_indices": crow, "col_indices": col, "values": values}
         sizes = {
             n: t.shape[0] for n, t in parts.items() if n != "crow_indices" and isinstance(t, torch.Tensor)
@@ -403,13 +410,13 @@ class BSRLinear(nn.Module):
                 self._check_pattern(prefix, pattern, blocks, pattern[1].shape[0])
             return None
         if len(set(sizes.values())) > 1:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"{where}col_indices: expected as many entries as {prefix}values has blocks "
                 f"({sizes['values']}), got {sizes['col_indices']}"
             )
         nnz = next(iter(sizes.values()))
         if nnz != self.values.shape[0] and not all(isinstance(t, torch.Tensor) for t in parts.values()):
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"BSRLinear.load_state_dict(): a checkpoint with nnz == {nnz} (this layer has "
                 f"{self.values.shape[0]}) must hold crow_indices, col_indices and values together as "
                 f"tensors, got {[prefix + n for n, t in parts.items() if isinstance(t, torch.Tensor)]}"
@@ -424,7 +431,7 @@ class BSRLinear(nn.Module):
     ) -> None:
         defect = pattern_defect(*pattern, *blocks, nnz)
         if defect is not None:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"BSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices and "
                 f"{prefix}col_indices: {defect}"
             )

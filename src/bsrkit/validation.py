@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "SUPPORTED_DTYPES",
     "ArgumentTypeError",
+    "CheckpointMismatchError",
     "MixedDtypeError",
     "autocast_inputs",
     "broadcast_batch",
@@ -53,6 +54,11 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 class ArgumentTypeError(TypeError, ValueError):
     """A wrong type, layout or dtype. A ``ValueError`` too, as ``torch.sparse._triton_ops`` raises."""
+
+
+class CheckpointMismatchError(ValueError, RuntimeError):
+    """A state_dict a layer cannot load (a ``ValueError`` naming the entry). A ``RuntimeError`` too, as
+    ``nn.Module.load_state_dict``'s errors are, so code written for ``nn.Linear`` catches it."""
 
 
 class MixedDtypeError(ArgumentTypeError, RuntimeError):
