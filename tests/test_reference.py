@@ -61,3 +61,34 @@ def test_the_oracles_take_a_batch_of_size_zero():
     dense = torch.randn(0, 4, 3, dtype=torch.float64)
     assert reference.bsr_dense_mm(bsr, dense).shape == (0, 4, 3)
     assert reference.bsr_to_dense(bsr).shape == (0, 4, 4)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_softmax_and_sddmm_references_weigh_a_block_column_stored_twice_twice(batched):
+    """Torch's validation and bsrkit's accept a block row storing a column twice, and the fast paths take
+    each stored block as its own (torch's per-block semantics); the references summed the two first
+    (softmax saw exp(a + b) for exp(a) + exp(b), SDDMM added the product once)."""
+    import bsrkit
+
+    g = torch.Generator().manual_seed(0)
+    crow, col = torch.tensor([0, 3, 3, 4]), torch.tensor([0, 0, 1, 1])  # (row 0 stores column 0 twice)
+    values = torch.randn(3, 4, 2, 3, generator=g, dtype=torch.float64)[: 3 if batched else 1]
+    values = values if batched else values[0]
+    shape = (3, 6, 6) if batched else (6, 6)
+    bsr = torch.sparse_bsr_tensor(
+        crow.expand(3, -1).contiguous() if batched else crow,
+        col.expand(3, -1).contiguous() if batched else col,
+        values,
+        size=shape,
+        check_invariants=False,
+    )
+    got = bsrkit.bsr_softmax(bsr).to_dense()
+    reference.assert_close(got, reference.bsr_softmax(bsr).to(got.dtype))
+    rows = reference.bsr_softmax(bsr).sum(-1)  # (every stored row sums to 1, row block 1 is empty)
+    torch.testing.assert_close(rows[..., :2], torch.ones_like(rows[..., :2]))
+    mat1, mat2 = (
+        torch.randn(6, 5, generator=g, dtype=torch.float64),
+        torch.randn(5, 6, generator=g, dtype=torch.float64),
+    )
+    got = bsrkit.sampled_addmm(bsr, mat1, mat2, beta=0.5, alpha=2.0).to_dense()
+    reference.assert_close(got, reference.sampled_addmm(bsr, mat1, mat2, beta=0.5, alpha=2.0))

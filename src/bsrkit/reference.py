@@ -233,38 +233,57 @@ def bsr_transposed_dense_mm(bsr: torch.Tensor, dense: torch.Tensor) -> torch.Ten
 
 def block_mask(bsr: torch.Tensor) -> torch.Tensor:
     """Boolean dense mask of the stored blocks (True inside every stored block, zeros included)."""
-    ones = torch.sparse_bsr_tensor(
-        bsr.crow_indices(),
-        bsr.col_indices(),
-        torch.ones_like(bsr.values(), dtype=torch.float64),
-        size=bsr.shape,
-        check_invariants=False,  # the indices come from a BSR tensor torch already accepted
-    )
-    return bsr_to_dense(ones) != 0
+    return _block_counts(bsr) != 0
+
+
+def _block_counts(bsr: torch.Tensor) -> torch.Tensor:
+    """How many stored blocks cover each entry (float64): 2 where a block row stores a column twice."""
+    return bsr_to_dense(_with_values(bsr, torch.ones_like(bsr.values(), dtype=torch.float64)))
+
+
+def _with_values(bsr: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    # (the indices come from a BSR tensor torch already accepted)
+    crow, col = bsr.crow_indices(), bsr.col_indices()
+    return torch.sparse_bsr_tensor(crow, col, values, size=bsr.shape, check_invariants=False)
 
 
 def sampled_addmm(
     input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta: float = 1, alpha: float = 1
 ) -> torch.Tensor:
-    """Dense result: ``beta * input + alpha * mat1 @ mat2`` inside input's stored blocks, 0 elsewhere.
-    ``alpha == 0`` forms no product and ``beta == 0`` ignores ``input`` (their NaN and Inf do not
-    reach the result), as torch's Triton ``sampled_addmm``."""
+    """Dense result: ``beta * input + alpha * mat1 @ mat2`` inside input's stored blocks, 0 elsewhere
+    (summed over the stored blocks: a block column stored twice holds the product twice, as the BSR
+    result, densified, does). ``alpha == 0`` forms no product and ``beta == 0`` ignores ``input`` (their
+    NaN and Inf do not reach the result), as torch's Triton ``sampled_addmm``."""
     mats = mat1.double(), mat2.double()
+    counts = _block_counts(input)
     full = _not_formed(*mats) if alpha == 0 else alpha * torch.matmul(*mats)
+    full = torch.where(counts > 1, full * counts, full)  # (unstored entries: masked below, NaN or not)
     if beta != 0:
         full = full + beta * bsr_to_dense(input).double()
-    mask = block_mask(input)
-    return torch.where(mask, full, torch.zeros((), dtype=torch.float64)).to(mat1.dtype)
+    return torch.where(counts != 0, full, torch.zeros((), dtype=torch.float64)).to(mat1.dtype)
 
 
 def bsr_softmax(input: torch.Tensor) -> torch.Tensor:
-    """Dense result (float64): softmax over each row's stored entries (unstored = -inf); rows with no
-    stored entry are 0. Entries outside the stored blocks are 0."""
-    mask = block_mask(input)
-    scores = torch.where(mask, bsr_to_dense(input).double(), -torch.inf)
-    y = torch.softmax(scores, dim=-1)
-    # (a NaN row is NaN at its stored entries only: torch.softmax spreads it to the -inf ones too)
-    return torch.where(mask & mask.any(-1, keepdim=True), y, 0.0)
+    """Dense result (float64): softmax over each row's stored entries (unstored = -inf), each stored
+    entry one term (a block column stored twice: two, summed where the result is densified); rows with
+    no stored entry are 0. Entries outside the stored blocks are 0. A row holding NaN, +inf, or only
+    -inf is NaN at its stored entries."""
+    *batch, L, _ = input.shape
+    values = input.values().double()
+    bm, bn = values.shape[-2:]
+    nb = math.prod(batch)
+    crow = input.crow_indices().reshape(nb, -1)
+    vals = values.reshape(nb, values.shape[-3], bm, bn)
+    out = torch.zeros_like(vals)
+    for b in range(nb):
+        block_rows = torch.repeat_interleave(torch.arange(crow.shape[1] - 1), crow[b].diff())
+        rows = (block_rows[:, None] * bm + torch.arange(bm))[:, :, None].expand(-1, bm, bn).reshape(-1)
+        s = vals[b].reshape(-1)
+        top = torch.full((L,), -torch.inf, dtype=torch.float64).scatter_reduce(0, rows, s, "amax")
+        e = torch.exp(s - top[rows])
+        total = torch.zeros(L, dtype=torch.float64).index_add_(0, rows, e)
+        out[b] = (e / total[rows]).reshape(vals.shape[1:])
+    return bsr_to_dense(_with_values(input, out.reshape(values.shape)))
 
 
 def scaled_dot_product_attention(
