@@ -140,8 +140,7 @@ def scaled_dot_product_attention(
     products and softmax accumulate in float32. Under ``torch.autocast`` the float32 and half inputs are
     cast to the autocast dtype first, as torch's SDPA's are there (float64 ones are left as they are).
     """
-    if torch._C._is_any_autocast_enabled() and isinstance(query, torch.Tensor):  # (as torch's SDPA there)
-        query, key, value, attn_mask = autocast_inputs(query.device.type, (query, key, value, attn_mask))
+    query, key, value, attn_mask = autocast_inputs((query, key, value, attn_mask))  # (as torch's SDPA)
     _check_inputs(query, key, value, attn_mask)
     query, key, value = resolved(query), resolved(key), resolved(value)  # (the kernels read memory)
     # (numbers.Real: numpy's scalars too, as torch's SDPA takes them)

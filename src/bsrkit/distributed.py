@@ -42,13 +42,13 @@ import torch.distributed as dist
 from torch import nn
 
 from bsrkit import custom_ops, shortcuts
-from bsrkit.nn import BSRLinear, autocast_operands
+from bsrkit.nn import BSRLinear, check_loaded_pattern, loaded_pattern
 from bsrkit.places import module_places, put
 from bsrkit.validation import (
     ArgumentTypeError,
     CheckpointMismatchError,
+    autocast_inputs,
     check_operand_dtypes,
-    pattern_defect,
     type_name,
 )
 
@@ -275,18 +275,14 @@ class BlockRowParallelBSRLinear(nn.Module):
                 f"{self._part()} (another rank's part, or another split: load to_bsr_linear()'s whole layer "
                 "into a BSRLinear and parallelize it)"
             )
-        crow, col = (state_dict.get(prefix + n) for n in ("crow_indices", "col_indices"))
-        # (as BSRLinear's: a malformed pattern is refused here, naming it, not at the next forward; judged
-        # on index data that can be read, one tensor alone with the layer's other one)
-        judged = (self.crow_indices if crow is None else crow, self.col_indices if col is None else col)
-        if (crow is not None or col is not None) and all(
-            type(t) is torch.Tensor and t.device.type != "meta" for t in judged
-        ):
+        # (as BSRLinear's: a malformed pattern is refused here, naming it, not at the next forward)
+        pattern = loaded_pattern(state_dict, prefix, self.crow_indices, self.col_indices)[2]
+        if pattern is not None:
             blocks = (self.local_out_features // self.blocksize[0], self.in_features // self.blocksize[1])
             # (this layer keeps its nnz: a checkpoint of another is refused here, before torch's load
             # wrote crow_indices and failed on the values, leaving the two apart)
             nnz, values = self.values.shape[0], state_dict.get(prefix + "values")
-            sizes = {judged[1].shape[-1] if judged[1].ndim else None}
+            sizes = {pattern[1].shape[-1] if pattern[1].ndim else None}
             sizes |= {values.shape[0] if values.ndim else None} if isinstance(values, torch.Tensor) else set()
             if sizes != {nnz}:
                 raise CheckpointMismatchError(
@@ -294,12 +290,7 @@ class BlockRowParallelBSRLinear(nn.Module):
                     f"{sorted(sizes, key=str)} blocks, this rank's part {nnz}: the parallel layer keeps its "
                     "nnz (load the whole layer into a BSRLinear and parallelize it)"
                 )
-            defect = pattern_defect(*judged, *blocks, nnz)
-            if defect is not None:
-                raise CheckpointMismatchError(
-                    f"BlockRowParallelBSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices "
-                    f"and {prefix}col_indices: {defect}"
-                )
+            check_loaded_pattern("BlockRowParallelBSRLinear.load_state_dict", prefix, pattern, blocks, nnz)
         shortcuts.forget_weight(self.values)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
@@ -322,7 +313,7 @@ class BlockRowParallelBSRLinear(nn.Module):
                 f"got {tuple(x.shape)}"
             )
         lead = x.shape[:-1]
-        x, values, bias = autocast_operands(x, self.values, self.bias)  # (as BSRLinear's)
+        x, values, bias = autocast_inputs((x, self.values, self.bias))  # (as BSRLinear's)
         if x.dtype is not values.dtype or (bias is not None and bias.dtype is not values.dtype):
             check_operand_dtypes(op, "input", x, "values", values)
             if bias is not None:  # (as BSRLinear's, as F.linear: one dtype for the three)
@@ -401,13 +392,14 @@ def _check_same_pattern(
     pattern = torch.cat([crow.to(device, torch.int64), col.to(device, torch.int64)])
     # (the same pattern with other values: a layer drawn at density 1, or another bias, on one rank)
     content = torch.cat([_fingerprint(layer.values), _fingerprint(layer.bias)]).to(device)
-    for mine in (layout, pattern, content):
+    for what, mine in (
+        ("layer shape, dtypes and bias", layout),
+        ("pattern", pattern),
+        ("values and bias", content),
+    ):
         everyone = mine.new_empty(dist.get_world_size(group) * mine.numel())
         dist.all_gather_single(everyone, mine, group=group)
         if not torch.equal(everyone.view(-1, mine.numel()), mine.expand(dist.get_world_size(group), -1)):
-            what = {id(layout): "layer shape, dtypes and bias", id(pattern): "pattern"}.get(
-                id(mine), "values and bias"
-            )
             raise ValueError(
                 f"BlockRowParallelBSRLinear(): expected the same {what} on every rank, got "
                 f"{everyone.view(-1, mine.numel()).tolist()[:8]} (build the layer with the same seed on "

@@ -17,7 +17,7 @@ be another matrix's; a backward ``torch.compile`` traced cannot compare data, an
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -54,20 +54,46 @@ def _needs_grad(x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
     )
 
 
-def autocast_operands(
-    x: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``x``, ``values`` and ``bias`` as ``torch.autocast`` hands them to ``F.linear``
-    (:func:`~bsrkit.validation.autocast_inputs`): their gradients are float32, as an ``nn.Linear``
-    weight's under autocast."""
-    if not torch._C._is_any_autocast_enabled():  # (first: every decode step's layers pass here)
-        return x, values, bias
-    return autocast_inputs(x.device.type, (x, values, bias))
-
-
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal index tensors, whatever their integer dtypes and devices."""
     return a.shape == b.shape and torch.equal(a.to(b.device, torch.int64), b.to(torch.int64))
+
+
+class _SavedLayer(NamedTuple):
+    """A layer as it was before a load (:meth:`BSRLinear._parts`), to put back if the load fails."""
+
+    params: dict[str, Any]  # its registered parameters, the objects (assign=True replaces them)
+    buffers: dict[str, Any]  # and buffers
+    kept: dict[str, torch.Tensor]  # their memory, by name
+    grad: torch.Tensor | None  # the values' gradient
+
+
+def loaded_pattern(
+    state_dict: dict[str, Any], prefix: str, crow_now: torch.Tensor, col_now: torch.Tensor
+) -> tuple[Any, Any, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The ``crow_indices`` and ``col_indices`` entries a load of ``state_dict`` takes (None where absent),
+    and the pattern they make where it can be judged: one index tensor alone with the layer's other one
+    (``crow_now``, ``col_now``: together they are what it loads), and only index data that can be read
+    (plain tensors with memory: a Parameter in a ``keep_vars=True`` state_dict, or meta, is none), else
+    None."""
+    crow, col = state_dict.get(prefix + "crow_indices"), state_dict.get(prefix + "col_indices")
+    judged = (crow_now if crow is None else crow, col_now if col is None else col)
+    readable = (crow is not None or col is not None) and all(
+        type(t) is torch.Tensor and t.device.type != "meta" for t in judged
+    )
+    return crow, col, judged if readable else None
+
+
+def check_loaded_pattern(
+    op: str, prefix: str, pattern: tuple[torch.Tensor, torch.Tensor], blocks: tuple[int, int], nnz: int
+) -> None:
+    """:class:`~bsrkit.validation.CheckpointMismatchError` naming the defect of a pattern a load would take
+    (:func:`loaded_pattern`) for ``blocks`` block rows and columns and ``nnz`` blocks."""
+    defect = pattern_defect(*pattern, *blocks, nnz)
+    if defect is not None:
+        raise CheckpointMismatchError(
+            f"{op}(): malformed pattern in {prefix}crow_indices and {prefix}col_indices: {defect}"
+        )
 
 
 def _check_divides(op: str, blocksize: tuple[int, int], features: tuple[int, int]) -> None:
@@ -261,7 +287,7 @@ class BSRLinear(nn.Module):
         if bias is None and "bias" not in params:
             bias = self.bias
         assert values is not None
-        x, values, bias = autocast_operands(x, values, bias)  # (as nn.Linear under torch.autocast)
+        x, values, bias = autocast_inputs((x, values, bias))  # (as nn.Linear under torch.autocast)
         if x.dtype is not values.dtype or (bias is not None and bias.dtype is not values.dtype):
             check_operand_dtypes("BSRLinear.forward", "input", x, "values", values)
             if bias is not None:  # (as F.linear: one dtype for the three)
@@ -315,15 +341,8 @@ class BSRLinear(nn.Module):
         values_now = self._parameters.get("values")
         if values_now is not None:  # (as in _apply: a swapping load refuses a weakly referenced tensor)
             shortcuts.forget_weight(values_now)
-        names = ("crow_indices", "col_indices", "values")
-        crow, col, values = (state_dict.get(prefix + n) for n in names)
-        # (the pattern is judged on index data that can be read: plain tensors with memory, whatever the
-        # values are, a Parameter in a keep_vars=True state_dict for one)
-        # One index tensor alone is judged with the layer's other one: together they are what it loads.
-        judged = (self.crow_indices if crow is None else crow, self.col_indices if col is None else col)
-        plain = (crow is not None or col is not None) and all(
-            type(t) is torch.Tensor and t.device.type != "meta" for t in judged
-        )
+        crow, col, pattern = loaded_pattern(state_dict, prefix, self.crow_indices, self.col_indices)
+        values = state_dict.get(prefix + "values")
         features = local_metadata.get(_FEATURES_KEY)
         if features is not None and tuple(features) != (self.out_features, self.in_features):
             raise CheckpointMismatchError(
@@ -331,7 +350,7 @@ class BSRLinear(nn.Module):
                 f"(out_features, in_features) = {tuple(features)}, this layer has "
                 f"{(self.out_features, self.in_features)}"
             )
-        nnz = self._check_checkpoint(state_dict, prefix, crow, col, values, judged if plain else None)
+        nnz = self._check_checkpoint(state_dict, prefix, crow, col, values, pattern)
         # (col_indices too: a tied layer, see sparsify_, finds the values its twin resized already)
         resize = nnz is not None and (nnz != self.values.shape[0] or nnz != self.col_indices.shape[0])
         # torch loads each entry on its own and goes on past a failed one: the layer as it was, to put
@@ -347,7 +366,7 @@ class BSRLinear(nn.Module):
         if len(error_msgs) > errors:
             self._restore(before)
             return
-        if plain:
+        if pattern is not None:
             # New memory for the loaded pattern (the plans would see an in-place copy too: they compare
             # the index data on every hit; fresh storage drops the old plans at once instead). In place
             # (set_), so that layers sharing the buffers (tied by sparsify_) keep sharing them; assigned
@@ -363,8 +382,7 @@ class BSRLinear(nn.Module):
                         _rebind(t, t.clone())
             values = self._parameters.get("values")  # (None where torch's prune or weight norm moved it)
             if not resize and values is not None and values.grad is not None:
-                kept = before[2]
-                old_pattern = (kept["crow_indices"], kept["col_indices"])
+                old_pattern = (before.kept["crow_indices"], before.kept["col_indices"])
                 new_pattern = (self.crow_indices, self.col_indices)
                 if not all(_equal(a, b) for a, b in zip(old_pattern, new_pattern, strict=True)):
                     values.grad = None  # (its rows were the old pattern's blocks: dropped, as on a resize)
@@ -407,7 +425,9 @@ class BSRLinear(nn.Module):
         }
         if not sizes:
             if pattern is not None:  # (a crow_indices alone, with this layer's col_indices)
-                self._check_pattern(prefix, pattern, blocks, pattern[1].shape[0])
+                check_loaded_pattern(
+                    "BSRLinear.load_state_dict", prefix, pattern, blocks, pattern[1].shape[0]
+                )
             return None
         if len(set(sizes.values())) > 1:
             raise CheckpointMismatchError(
@@ -422,19 +442,8 @@ class BSRLinear(nn.Module):
                 f"tensors, got {[prefix + n for n, t in parts.items() if isinstance(t, torch.Tensor)]}"
             )
         if pattern is not None:
-            self._check_pattern(prefix, pattern, blocks, nnz)
+            check_loaded_pattern("BSRLinear.load_state_dict", prefix, pattern, blocks, nnz)
         return nnz
-
-    @staticmethod
-    def _check_pattern(
-        prefix: str, pattern: tuple[torch.Tensor, torch.Tensor], blocks: tuple[int, int], nnz: int
-    ) -> None:
-        defect = pattern_defect(*pattern, *blocks, nnz)
-        if defect is not None:
-            raise CheckpointMismatchError(
-                f"BSRLinear.load_state_dict(): malformed pattern in {prefix}crow_indices and "
-                f"{prefix}col_indices: {defect}"
-            )
 
     def _resize(self, nnz: int) -> None:
         """Make room for ``nnz`` blocks (the loader then copies or assigns the checkpoint's tensors). The
@@ -459,7 +468,7 @@ class BSRLinear(nn.Module):
             if col.shape[0] != nnz:
                 _rebind(col, col.new_empty(nnz))
 
-    def _parts(self, copy_values: bool) -> tuple[Any, ...]:
+    def _parts(self, copy_values: bool) -> _SavedLayer:
         """What :meth:`_restore` needs to put the layer back as it is now (after a failed load): its
         registered parameters and buffers (the objects: ``assign=True`` replaces them; torch's prune and
         weight norm keep the real ones under names of their own, and the attributes they compute are no
@@ -475,9 +484,10 @@ class BSRLinear(nn.Module):
                 # left a trainable layer holding inference tensors)
                 with torch.inference_mode(t.is_inference()):
                     kept[name] = t.detach().clone() if copy_values or name != "values" else t.data
-        return dict(self._parameters), dict(self._buffers), kept, None if values is None else values.grad
+        grad = None if values is None else values.grad
+        return _SavedLayer(dict(self._parameters), dict(self._buffers), kept, grad)
 
-    def _restore(self, parts: tuple[Any, ...]) -> None:
+    def _restore(self, parts: _SavedLayer) -> None:
         params, buffers, kept, grad = parts
         self._parameters.update(params)
         self._buffers.update(buffers)

@@ -257,7 +257,7 @@ def sampled_addmm(
     mats = mat1.double(), mat2.double()
     counts = _block_counts(input)
     full = _not_formed(*mats) if alpha == 0 else alpha * torch.matmul(*mats)
-    full = torch.where(counts > 1, full * counts, full)  # (unstored entries: masked below, NaN or not)
+    full = full * counts  # (once per stored block; unstored entries, NaN or not, are masked below)
     if beta != 0:
         full = full + beta * bsr_to_dense(input).double()
     return torch.where(counts != 0, full, torch.zeros((), dtype=torch.float64)).to(mat1.dtype)

@@ -115,13 +115,17 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_neg() if t.is_neg() else t
 
 
-def autocast_inputs(device_type: str, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
+def autocast_inputs(tensors: tuple[Any, ...]) -> tuple[Any, ...]:
     """``tensors`` as ``torch.autocast`` hands them to one of its lower-precision ops (``F.linear``,
-    ``F.scaled_dot_product_attention``): inside an autocast region enabled for ``device_type``, each
-    float32/half tensor in the autocast dtype (float64 and non-floating ones, and non-tensors, as they
-    are); outside, unchanged. The casts are differentiable: a float32 leaf gets a float32 gradient."""
-    # (one cheap test outside every region: a decode step's layers pass here)
-    if not torch._C._is_any_autocast_enabled() or not torch.is_autocast_enabled(device_type):
+    ``F.scaled_dot_product_attention``): inside an autocast region enabled for the first one's device,
+    each float32/half tensor in the autocast dtype (float64 and non-floating ones, and non-tensors, as they
+    are); outside, unchanged. The casts are differentiable: a float32 leaf (a layer's weight) gets a
+    float32 gradient, as an ``nn.Linear`` weight does under autocast."""
+    # (the cheap test first, before any device is read: a decode step's layers pass here)
+    if not torch._C._is_any_autocast_enabled() or not isinstance(tensors[0], torch.Tensor):
+        return tensors
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
         return tensors
     low = torch.get_autocast_dtype(device_type)
     return tuple(
