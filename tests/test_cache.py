@@ -229,13 +229,18 @@ def test_stampede_computes_once():
     assert (info.misses, info.hits) == (1, n - 1)
 
 
-def test_exception_reaches_every_waiter_and_nothing_is_cached():
+@pytest.mark.parametrize("verify", [False, True])
+def test_exception_reaches_every_waiter_and_nothing_is_cached(verify):
+    """The function runs once: with verify_contents an error is proven for a waiter as a value is (the
+    data unchanged, it is shared)."""
     n = 4
     barrier = threading.Barrier(n)
     release = threading.Event()
+    runs = []
 
-    @weak_lru_cache()
+    @weak_lru_cache(verify_contents=verify)
     def boom(t):
+        runs.append(1)
         release.wait(5)
         raise RuntimeError("no")
 
@@ -256,6 +261,7 @@ def test_exception_reaches_every_waiter_and_nothing_is_cached():
     for th in threads:
         th.join()
     assert len(errors) == n
+    assert len(runs) == 1 and boom.cache_info().hits == n - 1
     assert boom.cache_info().currsize == 0
 
 
@@ -723,36 +729,6 @@ def test_a_caller_waiting_for_another_threads_failing_computation_gets_its_own_v
     got = positive_total(t)  # (waits for the owner, then computes on its own data)
     thread.join(10)
     assert owner_error == ["negative entry in [-1.0, 2.0]"] and float(got) == 3.0
-
-
-@pytest.mark.parametrize("verify", [False, True])
-def test_concurrent_calls_that_raise_run_the_function_once_while_the_data_stays(verify):
-    """An error is proven for a waiter as a value is: with the data unchanged, it is shared."""
-    runs, barrier, release = [], threading.Barrier(4), threading.Event()
-
-    @weak_lru_cache(verify_contents=verify)
-    def boom(t):
-        runs.append(1)
-        release.wait(5)
-        raise RuntimeError("no")
-
-    t = torch.ones(3)
-    errors = []
-
-    def call():
-        barrier.wait()
-        try:
-            boom(t)
-        except RuntimeError as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=call) for _ in range(4)]
-    for th in threads:
-        th.start()
-    threading.Timer(0.3, release.set).start()
-    for th in threads:
-        th.join(10)
-    assert len(errors) == 4 and len(runs) == 1 and boom.cache_info().hits == 3
 
 
 @pytest.mark.parametrize("verify", [False, True])
