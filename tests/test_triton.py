@@ -124,6 +124,25 @@ def test_sampled_addmm_long_inner_dimension(dtype):
     assert_close(empty_k.values(), 2 * inp.values())
 
 
+def test_inner_dimension_offsets_past_int32_are_not_wrapped():
+    # A dense operand whose row stride times its last row passes 2**31 elements: an int32 offset wraps to
+    # 2**32 elements before the true address. A marker there shows which one was read. (A 8.8 GB buffer,
+    # of which only the touched pages are ever committed.)
+    stride, base, k, n = 150_000_000, 2**31, 16, 16
+    big = torch.empty(base + (k - 1) * stride + n, dtype=torch.float16)
+    dense = big.as_strided((k, n), (stride, 1), base)
+    dense.copy_(torch.ones(k, n))
+    wrapped = base + (k - 1) * stride - 2**32
+    big[wrapped : wrapped + n] = 1000.0
+    bsr = torch.sparse_bsr_tensor(
+        torch.tensor([0, 1]), torch.tensor([0]), torch.ones(1, k, k, dtype=torch.float16), size=(k, k)
+    )
+    for flat in (0, 1):  # (the nested loop and the flat one)
+        assert bsrkit.bsr_dense_mm(bsr, dense, meta={"FLAT_LOOP": flat}).eq(k).all()
+    sampled = bsrkit.sampled_addmm(bsr, torch.ones(k, k, dtype=torch.float16), dense, beta=0.0)
+    assert sampled.values().eq(k).all()
+
+
 def test_alpha_keeps_float64_precision():
     bsr = random_bsr((12, 12), (4, 3), 0.6, torch.float64, integers=True)
     dense = torch.randint(-3, 4, (12, 5)).double()

@@ -69,9 +69,10 @@ def _attention_forward_kernel(
     r = row % MB
     bm = tl.load(batch_map_ptr + b).to(tl.int64)
     rm = m_t * BLOCK_M + tl.arange(0, BLOCK_M)  # rows inside the block
-    rn = tl.arange(0, BLOCK_N)
-    re = tl.arange(0, BLOCK_E)
-    rev = tl.arange(0, BLOCK_EV)
+    # (int64, as every offset: times a stride, an int32 arange may pass 2**31)
+    rn = tl.arange(0, BLOCK_N).to(tl.int64)
+    re = tl.arange(0, BLOCK_E).to(tl.int64)
+    rev = tl.arange(0, BLOCK_EV).to(tl.int64)
     mask_m, mask_n, mask_e, mask_ev = rm < Ms, rn < Ns, re < E, rev < Ev
     rows = r * Ms + rm
     q = tl.load(

@@ -91,7 +91,7 @@ def _block_product(
 ):  # fmt: skip
     """acc += a[rm, :Ks] @ d[:Ks, rn], in BLOCK_K chunks; out-of-range rows, columns and k are masked."""
     for k0 in range(0, Ks, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
+        rk = k0 + tl.arange(0, BLOCK_K).to(tl.int64)  # (k0 is int32: Ks is; rk times a stride may pass 2**31)
         mask_k = rk < Ks
         a = tl.load(
             a_ptr + rm[:, None] * stride_a_m + rk[None, :] * stride_a_k,

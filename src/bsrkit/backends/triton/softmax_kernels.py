@@ -61,7 +61,7 @@ def _softmax_kernel(
     row_sum = tl.zeros((BLOCK_M,), ACC_DTYPE)
     for g in range(g0, g1):
         for n0 in range(0, Ns, BLOCK_N):
-            rn = n0 + tl.arange(0, BLOCK_N)
+            rn = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             mask = mask_m[:, None] & (rn < Ns)[None, :]
             x_ptrs = x_ptr + b * stride_x_b + g * stride_x_g
             z = tl.load(
@@ -86,7 +86,7 @@ def _softmax_kernel(
     inv = tl.where(row_sum == 0.0, 0.0 if ZERO_EMPTY_ROWS else float("nan"), inv)
     for g in range(g0, g1):
         for n0 in range(0, Ns, BLOCK_N):
-            rn = n0 + tl.arange(0, BLOCK_N)
+            rn = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             mask = mask_m[:, None] & (rn < Ns)[None, :]
             x_ptrs = x_ptr + b * stride_x_b + g * stride_x_g
             z = tl.load(
@@ -123,7 +123,7 @@ def _softmax_backward_kernel(
     dot = tl.zeros((BLOCK_M,), ACC_DTYPE)
     for g in range(g0, g1):
         for n0 in range(0, Ns, BLOCK_N):
-            rn = n0 + tl.arange(0, BLOCK_N)
+            rn = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             mask = mask_m[:, None] & (rn < Ns)[None, :]
             y_ptrs = y_ptr + b * stride_y_b + g * stride_y_g
             y = tl.load(y_ptrs + rm[:, None] * stride_y_m + rn[None, :] * stride_y_n, mask=mask, other=0.0)
@@ -134,7 +134,7 @@ def _softmax_backward_kernel(
             dot += tl.sum(y.to(ACC_DTYPE) * dy.to(ACC_DTYPE), 1)
     for g in range(g0, g1):
         for n0 in range(0, Ns, BLOCK_N):
-            rn = n0 + tl.arange(0, BLOCK_N)
+            rn = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             mask = mask_m[:, None] & (rn < Ns)[None, :]
             y_ptrs = y_ptr + b * stride_y_b + g * stride_y_g
             y = tl.load(y_ptrs + rm[:, None] * stride_y_m + rn[None, :] * stride_y_n, mask=mask, other=0.0)
