@@ -490,7 +490,9 @@ def test_load_sparse_names_a_dtype_that_is_not_floating(tmp_path, dtype):
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
     sparsify_(model, blocksize=8, density=0.5, force=True)
     save_sparse(model, tmp_path / "m.safetensors")
-    with pytest.raises(TypeError, match="load_sparse\\(\\): expected dtype to be a floating torch.dtype"):
+    with pytest.raises(
+        TypeError, match="load_sparse\\(\\): expected dtype to be a floating-point torch.dtype"
+    ):
         load_sparse(model, tmp_path / "m.safetensors", dtype=dtype)
 
 

@@ -152,9 +152,17 @@ def test_from_dense_names_a_bad_density(density):
         BSRLinear.from_dense(torch.nn.Linear(8, 8), 4, density)
 
 
-def test_an_integer_dtype_is_refused_by_name():
-    with pytest.raises(TypeError, match="floating-point dtype, got torch.int32"):
-        BSRLinear(8, 8, 4, dtype=torch.int32)
+@pytest.mark.parametrize("dtype", [torch.int32, "float32", 3])
+def test_a_dtype_that_is_not_floating_is_refused_by_name(dtype):
+    with pytest.raises(
+        TypeError,
+        match=f"BSRLinear\\(\\): expected dtype to be a floating-point torch.dtype or None, got {dtype!r}",
+    ):
+        BSRLinear(8, 8, 4, dtype=dtype)
+
+
+def test_python_float_as_dtype_is_float64_as_for_nn_linear():
+    assert BSRLinear(8, 8, 4, dtype=float).values.dtype == torch.nn.Linear(8, 8, dtype=float).weight.dtype
 
 
 def test_a_zero_dim_input_is_a_shape_error():

@@ -30,7 +30,7 @@ from torch import nn
 
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
-from bsrkit.validation import SUPPORTED_DTYPES, check_data_device, type_name
+from bsrkit.validation import SUPPORTED_DTYPES, check_data_device, check_floating_dtype, type_name
 
 __all__ = ["load_sparse", "parameters_on_meta", "read_sparse_metadata", "save_sparse"]
 
@@ -376,8 +376,7 @@ def load_sparse(
     assigned; tied parameters are re-tied (one ``Parameter`` again). Raises ``ValueError`` naming the
     entry for a file that does not match the model.
     """
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"load_sparse(): expected dtype to be a floating torch.dtype or None, got {dtype!r}")
+    dtype = check_floating_dtype("load_sparse", dtype)
     if dtype is not None and dtype not in SUPPORTED_DTYPES:  # (float8 would load, then never run)
         raise ValueError(f"load_sparse(): expected dtype in {SUPPORTED_DTYPES} or None, got {dtype}")
     record = read_sparse_metadata(path)

@@ -29,6 +29,7 @@ from bsrkit.validation import (
     autocast_inputs,
     check_blocksize,
     check_density,
+    check_floating_dtype,
     check_operand_dtypes,
     check_same_device,
     check_size,
@@ -158,8 +159,7 @@ class BSRLinear(nn.Module):
         out_features = check_size("BSRLinear", "out_features", out_features)
         bo, bi = check_blocksize("BSRLinear", blocksize)
         density = check_density("BSRLinear", density)
-        if dtype is not None and not dtype.is_floating_point:
-            raise ArgumentTypeError(f"BSRLinear(): expected a floating-point dtype, got {dtype}")
+        dtype = check_floating_dtype("BSRLinear", dtype)
         _check_generator("BSRLinear()", generator)
         _check_divides("BSRLinear()", (bo, bi), (out_features, in_features))
         self.in_features, self.out_features, self.blocksize = in_features, out_features, (bo, bi)

@@ -329,6 +329,22 @@ def check_size(op: str, name: str, value: Any) -> int:
     return int(value)
 
 
+def check_floating_dtype(op: str, dtype: Any) -> torch.dtype | None:
+    """None, or a floating dtype as torch's factories take one (a ``torch.dtype``, or Python's ``float``:
+    float64), as a ``torch.dtype``; else the error naming ``dtype``."""
+    if dtype is None:
+        return None
+    try:
+        resolved = torch.empty(0, dtype=dtype, device="meta").dtype
+    except TypeError:
+        resolved = None
+    if resolved is None or not resolved.is_floating_point:
+        raise ArgumentTypeError(
+            f"{op}(): expected dtype to be a floating-point torch.dtype or None, got {dtype!r}"
+        )
+    return resolved
+
+
 def is_density(value: Any) -> TypeGuard[float]:
     """A fraction of blocks: a real number (Python's or numpy's, not a bool) in [0, 1]; NaN is not one."""
     return _is_real(value) and 0 <= value <= 1
