@@ -248,6 +248,37 @@ def test_scatter_mm_accumulators_sharing_memory(backend):
     assert_close(bsrkit.scatter_mm(blocks, buf, data, accumulators=acc), expected, k=4)
 
 
+@CPU_AND_TORCH
+@pytest.mark.parametrize("fmt", ["scatter_mm", "bsr_strided_mm"])
+def test_accumulators_whose_elements_share_memory_get_every_sum(backend, fmt):
+    """An expanded accumulator (its matrices one memory) gets the sum of every matrix's products, as
+    torch's scatter_mm adds them row by row (bsrkit failed in torch's add_; torch's strided formats fail)."""
+    blocks = torch.randint(-3, 4, (3, 4, 4)).double()
+    if fmt == "scatter_mm":
+        others = torch.randint(-3, 4, (4, 4, 4)).double()
+        data = (
+            "scatter_mm",
+            torch.tensor([0, 2, 3, 5]),
+            torch.tensor([[0, 1], [1, 2], [2, 0], [0, 3], [1, 1]]),
+        )
+        shape = (3, 4, 4)
+    else:
+        others = torch.randint(-3, 4, (8, 8)).double()
+        blocks = torch.randint(-3, 4, (4, 4, 4)).double()
+        data = bsrkit.bsr_scatter_mm_indices_data(
+            torch.sparse_bsr_tensor(torch.tensor([0, 2, 4]), torch.tensor([0, 1, 0, 1]), blocks), others,
+            indices_format="bsr_strided_mm", SPLIT_N=2,
+        )  # fmt: skip
+        shape = (8, 8)
+    base = torch.randint(-3, 4, shape[-1:]).double()
+    acc = base.expand(shape)  # every element of a row of matrices is one of four numbers
+    separate = reference.scatter_mm(blocks, others, data, torch.zeros(shape, dtype=torch.float64))
+    start = base.new_zeros(base.shape) if fmt == "bsr_strided_mm" else base  # (that format overwrites)
+    expected = start + separate.reshape(-1, shape[-1]).sum(0)
+    bsrkit.scatter_mm(blocks, others, data, accumulators=acc)
+    torch.testing.assert_close(base, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cpu_backend_runs_the_compiled_kernel(monkeypatch, fmt, dtype):

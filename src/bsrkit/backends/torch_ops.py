@@ -20,6 +20,7 @@ from bsrkit.backends.batching import (
     flatten_addmm,
     flatten_scatter_stacks,
     flatten_strided_scatter,
+    non_overlapping,
 )
 
 if TYPE_CHECKING:
@@ -151,6 +152,18 @@ def scatter_mm_into(
     accumulators.add_(acc.view(accumulators.shape).to(accumulators.dtype))
 
 
+def _add_into_shared(target: torch.Tensor, addend: torch.Tensor) -> None:
+    """``target += addend`` for a ``target`` whose elements share memory (torch refuses to write it): each
+    memory location gets the sum of ``addend`` over every element viewing it, as one ``+=`` per element
+    would (torch's ``scatter_mm`` adds row by row into such accumulators)."""
+    if target.numel() == 0:
+        return
+    span = 1 + sum((size - 1) * stride for size, stride in zip(target.shape, target.stride(), strict=True))
+    memory = target.as_strided((span,), (1,))  # (from target's first element, its storage offset)
+    where = torch.arange(span, device=target.device).as_strided(target.shape, target.stride())
+    memory.index_add_(0, where.reshape(-1), addend.reshape(-1))
+
+
 def sampled_blocks(
     rows: torch.Tensor,  # (B, nnz) block row of each block
     cols: torch.Tensor,  # (B, nnz) block column of each block
@@ -248,6 +261,11 @@ class TorchBackend:
     ) -> None:
         if overwrite:
             accumulators.zero_()
+        if not non_overlapping(accumulators):  # (an expanded one: torch writes none of its elements)
+            sums = torch.zeros(accumulators.shape, dtype=accumulators.dtype, device=accumulators.device)
+            self.scatter_mm(blocks, others, indices_data, sums, params)
+            _add_into_shared(accumulators, sums)
+            return
         if indices_data[0] == "scatter_mm":
             others3, acc3, copied = flatten_scatter_stacks(others, accumulators)
         else:
