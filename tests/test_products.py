@@ -253,6 +253,8 @@ def test_meta_override_and_threads(monkeypatch):
     for panel, nthreads in itertools.product([1, 7, 64, 1000], [1, 2, 3]):
         got = bsrkit.bsr_dense_mm(bsr, dense, meta={"panel": panel, "nthreads": nthreads})
         assert_close(got, ref, k=64)
+    got = bsrkit.bsr_dense_mm(bsr, dense, meta={"panel": np.int64(7), "nthreads": np.int32(2)})  # (numpy's)
+    assert_close(got, ref, k=64)
     with pytest.raises(ValueError, match="unknown"):
         bsrkit.bsr_dense_mm(bsr, dense, meta={"TILE_M": 16})
     with pytest.raises(ValueError, match="int >= 1"):

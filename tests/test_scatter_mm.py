@@ -1,5 +1,6 @@
 """scatter_mm, bsr_scatter_mm and their indices data, against torch's layout and the reference."""
 
+import numpy as np
 import pytest
 import torch
 import torch.sparse._triton_ops as torch_ops
@@ -423,6 +424,10 @@ def test_torch_made_indices_data_are_accepted():
     other = torch.randn(48, 32)
     for fmt in ("bsr_strided_mm_compressed", "bsr_strided_mm", "scatter_mm"):
         data = _triton_ops.bsr_scatter_mm_indices_data(bsr, other, fmt)
+        assert_close(bsrkit.bsr_scatter_mm(bsr, other, data), reference.bsr_scatter_mm(bsr, other))
+    # (numpy's integers, as torch takes them: its indices data then hold one)
+    for made_by in (_triton_ops, bsrkit):
+        data = made_by.bsr_scatter_mm_indices_data(bsr, other, "bsr_strided_mm", SPLIT_N=np.int64(2))
         assert_close(bsrkit.bsr_scatter_mm(bsr, other, data), reference.bsr_scatter_mm(bsr, other))
 
 

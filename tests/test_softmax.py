@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,7 +131,9 @@ def test_gradient_half_matches_float32():
 
 def test_arguments():
     x = random_bsr((8, 8), (4, 4), 1.0)
-    assert torch.equal(bsrkit.bsr_softmax(x, max_row_nnz=8).values(), bsrkit.bsr_softmax(x).values())
+    expected = bsrkit.bsr_softmax(x).values()
+    for max_row_nnz in (8, np.int64(8)):  # (numpy's integers too)
+        assert torch.equal(bsrkit.bsr_softmax(x, max_row_nnz=max_row_nnz).values(), expected)
     with pytest.raises(TypeError, match=r"bsr_softmax\(\): expected input to have layout torch.sparse_bsr"):
         bsrkit.bsr_softmax(torch.randn(4, 4))
     with pytest.raises(ValueError, match=r"expected max_row_nnz >= 1, got 0"):

@@ -21,7 +21,7 @@ import torch
 from bsrkit.cache import CacheInfo, library_cache, weak_lru_cache
 from bsrkit.freshness import Snapshot
 from bsrkit.keys import TensorKey
-from bsrkit.validation import indices_data_defect, pattern_defect
+from bsrkit.validation import indices_data_defect, is_int, pattern_defect
 
 __all__ = [
     "MalformedPatternError",
@@ -186,7 +186,7 @@ def check_indices_data(
         return indices_data
     meta = indices_data[-1] if isinstance(indices_data[-1], dict) else {}
     split_n = 0 if indices_data[0] == "scatter_mm" else meta.get("SPLIT_N")
-    if not isinstance(split_n, int) or isinstance(split_n, bool):
+    if not is_int(split_n):
         _build_check_indices(indices_data, P, Ms, Ks, others, acc)  # raises: a malformed meta
         return indices_data
     judged = _plan("check_indices", indices_data[0], tensors, split_n, P, Ms, Ks, tuple(others), tuple(acc))

@@ -24,6 +24,7 @@ from bsrkit.validation import (
     check_same_device,
     check_same_dtype,
     check_strided,
+    is_int,
     mark_written,
     may_share_memory,
     resolved,
@@ -335,7 +336,7 @@ def _check_indices_data_of(
     expected: tuple[Any, ...] | None = None
     if not strided:
         expected = _indices_data(bsr, fmt, N, nbatches, 0)
-    elif isinstance(split_n, int) and split_n > 0 and N % split_n == 0:
+    elif is_int(split_n) and split_n > 0 and N % split_n == 0:
         expected = _indices_data(bsr, fmt, N, 0, split_n)
     if (
         expected is None
@@ -462,7 +463,7 @@ def scatter_mm_meta(M: int, K: int, N: int, Ms: int, Ks: int, **meta_input: Any)
     # (None means not given, as in torch; popped either way, so that no None passes through)
     given = {k: v for k in _SCATTER_MM_KEYS if (v := meta_input.pop(k, None)) is not None}
     for name, value in given.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(
                 f"bsr_scatter_mm_indices_data(): expected {name} to be a positive int, got {value!r}"
             )

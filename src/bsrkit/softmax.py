@@ -20,7 +20,7 @@ import torch
 from bsrkit import autograd, dispatch
 from bsrkit.eager import eager_under_compile
 from bsrkit.operand import Operand
-from bsrkit.validation import ArgumentTypeError, check_bsr, resolved, type_name
+from bsrkit.validation import ArgumentTypeError, check_bsr, is_int, resolved, type_name
 
 if TYPE_CHECKING:
     from bsrkit.backends.base import Backend
@@ -45,7 +45,7 @@ def bsr_softmax(input: torch.Tensor, max_row_nnz: int | None = None) -> torch.Te
     op = "bsr_softmax"
     check_bsr(op, "input", input)
     if max_row_nnz is not None:
-        if isinstance(max_row_nnz, bool) or not isinstance(max_row_nnz, int):
+        if not is_int(max_row_nnz):
             raise ArgumentTypeError(
                 f"{op}(): expected max_row_nnz to be an int or None, got {type_name(max_row_nnz)}"
             )

@@ -283,15 +283,16 @@ def _as_float(op: str, name: str, value: Any) -> float:
                          f"{int(value).bit_length()} bits") from None  # fmt: skip
 
 
-def _is_int(v: Any) -> bool:
-    """An integer that is not a bool: Python's, or numpy's (``numbers.Integral``)."""
+def is_int(v: Any) -> TypeGuard[int]:
+    """An integer that is not a bool: Python's, or numpy's (``numbers.Integral``; typed as ``int``, whose
+    arithmetic numpy's integers share)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def check_blocksize(op: str, blocksize: Any) -> tuple[int, int]:
     """``b`` or ``(bo, bi)`` (a tuple or list), each an int >= 1, as ``(bo, bi)``."""
-    pair = (blocksize, blocksize) if _is_int(blocksize) else blocksize
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_is_int(b) for b in pair):
+    pair = (blocksize, blocksize) if is_int(blocksize) else blocksize
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(is_int(b) for b in pair):
         raise ArgumentTypeError(
             f"{op}(): expected blocksize to be an int or a pair of ints, got {blocksize!r}"
         )
@@ -322,7 +323,7 @@ def check_data_device(op: str, device: Any) -> torch.device:
 
 def check_size(op: str, name: str, value: Any) -> int:
     """A length or count: an int >= 0 (not a bool)."""
-    if not _is_int(value):
+    if not is_int(value):
         raise ArgumentTypeError(f"{op}(): expected {name} to be an int, got {type_name(value)}")
     if value < 0:
         raise ValueError(f"{op}(): expected {name} >= 0, got {value}")
@@ -457,7 +458,7 @@ def check_max_grid(op: str, max_grid: Any) -> None:
     it with Nones and clamps each to at least 1; bsrkit's grids need no cap, so it is only checked)."""
     if max_grid is None:
         return
-    if not isinstance(max_grid, (tuple, list)) or not all(v is None or _is_int(v) for v in max_grid):
+    if not isinstance(max_grid, (tuple, list)) or not all(v is None or is_int(v) for v in max_grid):
         raise ValueError(
             f"{op}(): expected max_grid to be None or a tuple of ints or Nones, got {max_grid!r}"
         )
@@ -580,7 +581,7 @@ def indices_data_defect(
     K, N = others[-2:]
     M = acc[-2]
     # (a bool is refused, as bsr_scatter_mm_indices_data refuses it)
-    if not isinstance(split_n, int) or isinstance(split_n, bool) or split_n < 1 or (N and N % split_n):
+    if not is_int(split_n) or split_n < 1 or (N and N % split_n):
         return f"expected meta['SPLIT_N'] to be a positive divisor of N == {N}, got {split_n!r}"
     Ns = N // split_n
     names = (

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
+from bsrkit.validation import is_int
+
 if TYPE_CHECKING:
     from bsrkit.mask_bias import BlockBias
     from bsrkit.operand import Operand
@@ -51,17 +53,13 @@ class ParamSpec(NamedTuple):
     expected: str
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-int_at_least_one = ParamSpec(lambda v: _is_int(v) and v >= 1, "an int >= 1")
-zero_or_one = ParamSpec(lambda v: _is_int(v) and v in (0, 1), "0 or 1")
+int_at_least_one = ParamSpec(lambda v: is_int(v) and v >= 1, "an int >= 1")
+zero_or_one = ParamSpec(lambda v: is_int(v) and v in (0, 1), "0 or 1")
 power_of_two_warps = ParamSpec(
-    lambda v: _is_int(v) and 1 <= v <= 32 and not v & (v - 1), "a power of two in [1, 32] (Triton's warps)"
+    lambda v: is_int(v) and 1 <= v <= 32 and not v & (v - 1), "a power of two in [1, 32] (Triton's warps)"
 )
 power_of_two_at_least_16 = ParamSpec(
-    lambda v: _is_int(v) and v >= 16 and not v & (v - 1), "a power of two >= 16"
+    lambda v: is_int(v) and v >= 16 and not v & (v - 1), "a power of two >= 16"
 )
 
 
