@@ -12,6 +12,54 @@ from bsrkit.validation import ArgumentTypeError
 from helpers import assert_close, random_bsr
 
 
+def test_torchs_names_are_bsrkits():
+    # (torch's module defines most of them only where Triton is installed: the list is its names)
+    names = [
+        "bsr_dense_mm", "bsr_dense_addmm", "_int_bsr_dense_addmm", "sampled_addmm", "bsr_softmax",
+        "bsr_scatter_mm", "bsr_scatter_mm_indices_data", "scatter_mm", "scatter_mm_meta",
+        "_scaled_dot_product_attention", "TensorAsKey",
+    ]  # fmt: skip
+    assert [name for name in names if not hasattr(bsrkit, name)] == []
+    assert set(names) <= set(bsrkit.__all__)
+    bsr = random_bsr((8, 8), (4, 4), 0.5)
+    q = torch.randn(8, 4)
+    mask = torch.ones(8, 8).to_sparse_bsr((4, 4))
+    assert_close(
+        bsrkit._scaled_dot_product_attention(q, q, q, mask),
+        bsrkit.scaled_dot_product_attention(q, q, q, mask),
+    )
+    assert bsrkit.TensorAsKey(bsr) == bsrkit.TensorAsKey(bsr)
+    assert bsrkit.scatter_mm_meta(32, 32, 32, 8, 8) == torch_ops.scatter_mm_meta(32, 32, 32, 8, 8)
+
+
+def test_scales_of_the_shapes_torch_views_are_taken():
+    # torch views left_alpha as (*batch, M, 1) and right_alpha as (*batch, 1, N): (M, 1), (1, N) and a
+    # flattened batch (B * M,) are its documented forms; broadcasting ones stay broadcast.
+    bsr = random_bsr((2, 8, 12), (4, 4), 0.5, torch.float64)
+    x = torch.randn(12, 5, dtype=torch.float64)
+    left, right = torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
+    expected = left[..., None] * reference.bsr_dense_mm(bsr, x) * right[:, None, :]
+    for lt, rt in ((left.reshape(-1), right.reshape(-1)), (left[..., None], right[:, None, :])):
+        lt, rt = lt.clone().requires_grad_(), rt.clone().requires_grad_()
+        got = bsrkit.bsr_dense_addmm(
+            torch.zeros(2, 8, 5, dtype=torch.float64), bsr, x, left_alpha=lt, right_alpha=rt
+        )
+        torch.testing.assert_close(got, expected)
+        got.sum().backward()  # (the gradients reach the scales as given)
+        assert lt.grad is not None and lt.grad.shape == lt.shape and rt.grad is not None
+    single = random_bsr((8, 12), (4, 4), 0.5, torch.float64)
+    got = bsrkit.bsr_dense_addmm(
+        torch.zeros(8, 5, dtype=torch.float64), single, x, left_alpha=left[0, :, None], right_alpha=right[:1]
+    )
+    torch.testing.assert_close(got, left[0, :, None] * reference.bsr_dense_mm(single, x) * right[:1])
+    with pytest.raises(
+        ValueError, match=r"expected left_alpha.shape to broadcast to \(2, 8\) \(or left_alpha to hold 16"
+    ):
+        bsrkit.bsr_dense_addmm(
+            torch.zeros(2, 8, 5, dtype=torch.float64), bsr, x, left_alpha=left.reshape(-1)[:15]
+        )
+
+
 def _eye_blocks():
     return torch.eye(2).repeat_interleave(2, 0).repeat_interleave(2, 1)
 

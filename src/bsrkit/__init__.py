@@ -23,19 +23,27 @@ from bsrkit.ops import (
     sampled_addmm,
 )
 from bsrkit.plans import cache_info
-from bsrkit.scatter import bsr_scatter_mm, bsr_scatter_mm_indices_data, scatter_mm
+from bsrkit.scatter import bsr_scatter_mm, bsr_scatter_mm_indices_data, scatter_mm, scatter_mm_meta
 from bsrkit.shortcuts import ShortcutInfo, cache_clear
 from bsrkit.shortcuts import info as shortcut_info
 from bsrkit.softmax import bsr_softmax
 
 __version__ = "0.2.0"
 
+# torch.sparse._triton_ops's names for the same things, so that switching stays a change of import (the
+# attention's semantics differ where README.md says; TensorKey is TensorAsKey for any dtype)
+_scaled_dot_product_attention = scaled_dot_product_attention
+TensorAsKey = TensorKey
+
+
 __all__ = [
     "CacheInfo",
     "ShortcutInfo",
+    "TensorAsKey",
     "TensorKey",
     "__version__",
     "_int_bsr_dense_addmm",
+    "_scaled_dot_product_attention",
     "block_local_mask",
     "bsr_dense_addmm",
     "bsr_dense_mm",
@@ -53,6 +61,7 @@ __all__ = [
     "save_sparse",
     "scaled_dot_product_attention",
     "scatter_mm",
+    "scatter_mm_meta",
     "shortcut_info",
     "sliding_window_mask",
     "sparsify_",

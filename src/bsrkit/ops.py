@@ -248,6 +248,10 @@ def checked_addmm(
         if signature is not None:
             shortcuts.keep_checked_call(signature, checked)
     differentiable, backend, batch, out_shape, out_dtype, K, out_numel, like_dense = checked
+    if left is not None and not _broadcasts(left, out_shape[:-1]):  # (torch's view: (*batch, M, 1))
+        left = left.reshape(out_shape[:-1])
+    if right is not None and not _broadcasts(right, (*batch, out_shape[-1])):  # ((*batch, 1, N))
+        right = right.reshape(*batch, out_shape[-1])
     if dense.is_meta:  # (shapes only, as torch's ops on meta: no pattern to read)
         return out if out is not None else torch.empty(out_shape, dtype=out_dtype, device="meta")
     beta, alpha = float(beta), float(alpha)  # (checked real numbers; -0.0 and 0.0 share a checked call)
@@ -363,6 +367,13 @@ def _call_signature(
     )  # fmt: skip
 
 
+def _broadcasts(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    try:
+        return torch.broadcast_shapes(t.shape, shape) == shape
+    except RuntimeError:
+        return False
+
+
 def _validate_addmm(
     op: str,
     input: torch.Tensor | None,
@@ -420,13 +431,11 @@ def _validate_addmm(
         elif scale.is_complex() or scale.dtype is torch.bool:
             check_dtype(op, name, scale, _INT8_SCALE_DTYPES)
         check_same_device(op, name, scale, dense_name, dense)
-        try:
-            ok = torch.broadcast_shapes(scale.shape, (*batch, extent)) == (*batch, extent)
-        except RuntimeError:
-            ok = False
-        if not ok:
+        count = math.prod(batch) * extent  # (torch views any scale of as many elements, in order)
+        if not (_broadcasts(scale, (*batch, extent)) or scale.numel() == count):
             raise ValueError(
-                f"{op}(): expected {name}.shape to broadcast to {(*batch, extent)}, got {tuple(scale.shape)}"
+                f"{op}(): expected {name}.shape to broadcast to {(*batch, extent)} (or {name} to hold "
+                f"{count} elements, as torch views it), got {tuple(scale.shape)}"
             )
     if input is not None:
         if integer:
@@ -434,11 +443,7 @@ def _validate_addmm(
         else:
             check_same_dtype(op, "input", input, "bsr", bsr)
         check_same_device(op, "input", input, "bsr", bsr)
-        try:
-            ok = torch.broadcast_shapes(input.shape, out_shape) == out_shape
-        except RuntimeError:
-            ok = False
-        if not ok:
+        if not _broadcasts(input, out_shape):
             raise ValueError(
                 f"{op}(): expected input.shape to broadcast to {out_shape}, got {tuple(input.shape)}"
             )
