@@ -645,6 +645,42 @@ def test_a_meta_model_computing_integer_buffers_in_init_weights_loads(tmp_path, 
     assert torch.equal(loaded(x), model(x))
 
 
+class _ScaledEmbedding(nn.Embedding):  # (Gemma's: a weight of its own, and a computed scale)
+    def __init__(self):
+        super().__init__(10, 8)
+        self.register_buffer("scale", torch.tensor(8**0.5), persistent=False)
+
+
+def test_a_meta_model_whose_init_weights_computes_a_buffer_beside_a_weight_loads(tmp_path):
+    """Gemma's embedding holds its weight and a non-persistent scale its _init_weights computes: a model
+    built on meta loads (it was refused, saying _init_weights did not compute the scale), with the weight
+    from the file, not _init_weights' draw."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.up = _ScaledEmbedding(), nn.Linear(8, 8)
+
+        def _init_weights(self, module):
+            if isinstance(module, _ScaledEmbedding):
+                module.weight.normal_()
+                module.scale.fill_(8**0.5)
+
+        def forward(self, ids):
+            return self.up(self.embed(ids) * self.embed.scale)
+
+    torch.manual_seed(0)
+    model = Model()
+    sparsify_(model, blocksize=4, density=0.5, force=True)
+    save_sparse(model, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        shell = Model()
+    loaded = load_sparse(shell, tmp_path / "m.safetensors")
+    assert torch.equal(loaded.embed.weight, model.embed.weight)
+    ids = torch.arange(10)
+    assert torch.equal(loaded(ids), model(ids))
+
+
 def test_an_init_weights_writing_a_childs_weights_never_overwrites_loaded_ones(tmp_path):
     """GPT-2's attention module (transformers 4.x) holds no parameters of its own, non-persistent bool and
     float buffers, and an _init_weights that re-draws a child's weight: it ran after the file's tensors

@@ -301,8 +301,9 @@ def _swap_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
 def _materialise_buffers(model: nn.Module, device: torch.device, loaded: set[str]) -> None:
     """Give real values to non-persistent buffers left on ``meta`` (a model passed in built on ``meta``;
     ``loaded``: the names the file will fill): a transformers model recomputes them through its
-    ``_init_weights`` (as ``from_pretrained`` does) on modules without parameters of their own (rotary
-    embeddings); anything else left on meta is an error. Runs before the file's tensors are assigned,
+    ``_init_weights`` (as ``from_pretrained`` does) on modules whose own parameters are all on meta
+    (rotary embeddings: none; Gemma's scaled embedding: its weight); anything else left on meta is an
+    error. Runs before the file's tensors are assigned,
     while the parameters are still on meta: an ``_init_weights`` that also writes a child's weights
     (GPT-2's attention module) writes nothing there, never over a loaded weight."""
     init = getattr(model, "_init_weights", None)
@@ -313,8 +314,11 @@ def _materialise_buffers(model: nn.Module, device: torch.device, loaded: set[str
         ]  # fmt: skip
         if not names:
             continue
-        if callable(init) and not any(True for _ in module.parameters(recurse=False)):
-            names = _computed_by_init(init, module, names, device)
+        # (weights on meta take any write, never over a loaded one; an init that cannot run there
+        # computed nothing, and the error below names the buffers)
+        if callable(init) and all(p.device.type == "meta" for p in module.parameters(recurse=False)):
+            with contextlib.suppress(Exception):
+                names = _computed_by_init(init, module, names, device)
         if names:
             raise ValueError(
                 f"load_sparse(): the model's buffers {[f'{fqn}.{n}' if fqn else n for n in names]} are on "
