@@ -103,6 +103,20 @@ def test_the_timed_prefill_asks_for_the_last_logits_only_as_generate_does():
     assert seen == [1, 12]
 
 
+def test_a_compiled_model_takes_a_padding_mask():
+    """A compiled forward given a padding mask (as docs/models.md compiles for serving) crashed inside
+    Dynamo, tracing the mask's cache: it now breaks the graph there, and gives the eager logits."""
+    model = _llama(hf.NAME, dtype=torch.float32)
+    bsrkit.sparsify_(model, blocksize=16, density=0.25, force=True)
+    tokens = torch.randint(3, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, :5] = 0  # (the second sequence left-padded)
+    with torch.no_grad():
+        eager = model(tokens, attention_mask=mask).logits
+        compiled = torch.compile(model.forward, backend="eager", dynamic=True)
+        torch.testing.assert_close(compiled(tokens, attention_mask=mask).logits, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_the_model_comparison_can_compile_every_forward():
     """``compare(compile_backend=...)`` (``benchmarks/transformer.py --compile``) times every model,
     the dense one included, through ``torch.compile``, and the compiled sparsified model gives the

@@ -33,6 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import bsrkit
 from bsrkit.attention import causal_mask, mask_from_dense
 from bsrkit.cache import library_cache, weak_lru_cache
+from bsrkit.eager import eager_under_compile
 
 __all__ = ["BLOCKSIZES", "NAME", "attention_forward"]
 
@@ -45,6 +46,7 @@ def _blocksize(L: int, S: int) -> int | None:
     return next((b for b in BLOCKSIZES if L % b == 0 and S % b == 0), None)
 
 
+@eager_under_compile  # (Dynamo cannot trace the cache's lock and weak references: a graph break)
 @library_cache
 @weak_lru_cache(maxsize=8, verify_contents=True)
 def _bsr_of(mask: torch.Tensor, blocksize: int) -> torch.Tensor:
