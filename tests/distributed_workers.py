@@ -200,6 +200,14 @@ def scenario_fsdp2(rank: int, world: int, out: Path) -> dict:
     return result
 
 
+def _modes_follow(full: Any, group: Any, training: bool) -> bool:
+    """A layer in eval (training) mode is split, and gathered again, in eval (training) mode."""
+    from bsrkit.distributed import BlockRowParallelBSRLinear
+
+    part = BlockRowParallelBSRLinear(copy.deepcopy(full).train(training), group)
+    return part.training == training and part.to_bsr_linear().training == training
+
+
 def _gather_ints(n: int, world: int) -> list[int]:
     everyone = [0] * world
     torch.distributed.all_gather_object(everyone, n)
@@ -288,6 +296,7 @@ def scenario_tp(rank: int, world: int, out: Path) -> dict:
                 and torch.equal(tp.crow_indices + first, full.crow_indices[start : stop + 1]),
                 "values_equal_slice": torch.equal(tp.values, full.values[first:last]),
                 "gathered_equals_full": _same_layer(tp.to_bsr_linear(), full),
+                "modes_follow": [_modes_follow(full, group, mode) for mode in (False, True)],
             },
         )
         half = full.crow_indices.shape[0] // 2

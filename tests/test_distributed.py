@@ -178,6 +178,7 @@ def test_tensor_parallel_matches_unsharded_layer(two_ranks, pattern):
     assert max(nnz for nnz, _ in per_rank) == _brute_force_best(result["row_counts"], 2)
     for r in result["ranks"]:
         assert r["pattern_is_local"] and r["values_equal_slice"] and r["gathered_equals_full"]
+        assert r["modes_follow"] == [True, True]
         for name, diff in r["diffs"].items():
             assert diff <= TOL * max(1.0, r["scale"][name]), (name, diff, r["scale"][name])
 

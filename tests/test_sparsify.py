@@ -341,6 +341,17 @@ def test_frozen_layers_stay_frozen():
     assert [n for n, p in model.named_parameters() if p.requires_grad] == ["up.bias"]
 
 
+def test_the_swapped_layers_keep_the_models_mode():
+    """A model in eval mode (served) gets layers in eval mode, nn.Linear and Conv1D alike (they were in
+    training mode); one in training mode gets them in training mode."""
+    for training in (False, True):
+        torch.manual_seed(0)
+        model = TinyLM().train(training)
+        sparsify_(model, blocksize=8, density=0.5, force=True)
+        assert isinstance(model.up, BSRLinear) and isinstance(model.gpt2_proj, BSRLinear)
+        assert {m.training for m in model.modules()} == {training}
+
+
 def test_a_model_on_meta_runs_without_grad_too():
     """Shapes only, as the dense model on meta gives (it called the CPU product on meta tensors)."""
     torch.manual_seed(0)

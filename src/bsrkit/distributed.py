@@ -246,6 +246,7 @@ class BlockRowParallelBSRLinear(nn.Module):
             self.bias: nn.Parameter | None = nn.Parameter(bias, layer.bias.requires_grad)
         else:
             self.register_parameter("bias", None)
+        self.train(layer.training)
 
     @property
     def local_out_features(self) -> int:
@@ -364,7 +365,7 @@ class BlockRowParallelBSRLinear(nn.Module):
             counts = [(b - a) * bo for a, b in _pairs(self.row_splits)]
             bias = _gather_rows(self.bias.detach(), counts, self.group)
             layer.bias = nn.Parameter(bias, requires_grad=self.bias.requires_grad)
-        return layer
+        return layer.train(self.training)
 
     def extra_repr(self) -> str:
         start, stop = self.row_splits[self.rank], self.row_splits[self.rank + 1]

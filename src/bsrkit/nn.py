@@ -245,7 +245,7 @@ class BSRLinear(nn.Module):
             layer.bias.data.copy_(linear.bias.detach())
             layer.bias.requires_grad_(linear.bias.requires_grad)
         layer.values.requires_grad_(linear.weight.requires_grad)  # (a frozen layer stays frozen)
-        return layer
+        return layer.train(linear.training)  # (and one in eval mode in eval mode, as the model around it)
 
     def to_bsr(self) -> torch.Tensor:
         """The weight as a BSR tensor (sharing this layer's indices and values)."""

@@ -277,7 +277,7 @@ def selector(filter_fn: Any, blocksize: tuple[int, int]) -> str:
 
 
 def _as_linear(module: nn.Module) -> nn.Linear:
-    """An ``nn.Linear`` view of a Conv1D's weight (transposed copy) and bias, for the pruning."""
+    """An ``nn.Linear`` view of a Conv1D's weight (transposed copy), bias and mode, for the pruning."""
     weight: torch.Tensor = module.weight  # type: ignore[assignment]
     bias: torch.Tensor | None = module.bias  # type: ignore[assignment]
     in_f, out_f = weight.shape
@@ -289,7 +289,7 @@ def _as_linear(module: nn.Module) -> nn.Linear:
     linear.weight.requires_grad_(weight.requires_grad)
     if bias is not None:
         linear.bias.requires_grad_(bias.requires_grad)
-    return linear
+    return linear.train(module.training)
 
 
 def sparsify_(
