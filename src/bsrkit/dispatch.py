@@ -119,8 +119,15 @@ def addmm(
         left = right = None
     scaled = left is not None or right is not None or not math.isfinite(alpha)
     # Half types with an input: beta * input is added in float32 and the sum rounded once, as torch
-    # (rounded to half first, a product or an input term beyond 65504 was inf where the sum is not).
-    half_input = out.dtype in (torch.float16, torch.bfloat16) and input is not None and beta != 0
+    # (rounded to half first, a product or an input term beyond 65504 was inf where the sum is not). An
+    # input of out's dtype with beta == 1 (a layer's bias) is exact in out: the kernels accumulate onto
+    # it in float32 and round once, with no float32 copy of the operands.
+    half_input = (
+        out.dtype in (torch.float16, torch.bfloat16)
+        and input is not None
+        and beta != 0
+        and not (beta == 1 and input.dtype == out.dtype)
+    )
     if unproven and (scaled or half_input or dense.dtype is torch.int8):
         _prove(a)  # (these paths recurse, on no prepared call of a kept operand)
     if dense.dtype is torch.int8:
