@@ -24,6 +24,11 @@ __all__ = [
 ]
 
 
+def _check_divides(op: str, blocksize: tuple[int, int], L: int, S: int) -> None:
+    if L % blocksize[0] or S % blocksize[1]:
+        raise ValueError(f"{op}(): expected the blocksize {blocksize} to divide (L, S) == {(L, S)}")
+
+
 def _lengths(op: str, L: Any, S: Any) -> tuple[int, int]:
     """``(L, S)``, ``S`` defaulting to ``L``: ints >= 0."""
     L = check_size(op, "L", L)
@@ -44,8 +49,7 @@ def _from_intervals(
     and block indices as broadcast tensors). Candidates holding no allowed entry are dropped. O(nnz) time
     and memory: only the stored blocks' entries are ever evaluated."""
     Ms, Ns = blocksize
-    if L % Ms or S % Ns:
-        raise ValueError(f"{op}(): expected the blocksize {blocksize} to divide (L, S) == {(L, S)}")
+    _check_divides(op, (Ms, Ns), L, S)
     MB = L // Ms
     row, start, end = intervals
     keep = end > start
@@ -182,8 +186,7 @@ def mask_from_dense(mask: torch.Tensor, blocksize: int | tuple[int, int]) -> tor
         raise ValueError(f"{op}(): expected mask to hold data, got a tensor on the meta device")
     Ms, Ns = check_blocksize(op, blocksize)
     *batch, L, S = mask.shape
-    if L % Ms or S % Ns:
-        raise ValueError(f"{op}(): expected the blocksize {(Ms, Ns)} to divide (L, S) == {(L, S)}")
+    _check_divides(op, (Ms, Ns), L, S)
     nb = math.prod(batch)  # (explicit sizes: a mask with no entry has no -1 to infer)
     blocks = mask.reshape(nb, L // Ms, Ms, S // Ns, Ns).transpose(2, 3)  # (B, MB, NB, Ms, Ns)
     stored = blocks.flatten(3).any(-1).any(0)  # (MB, NB): the union over batches
@@ -216,8 +219,7 @@ def mask_from_block_mask(block_mask: Any) -> torch.Tensor:
     Ms, Ns = block_mask.BLOCK_SIZE
     B, H, MB = block_mask.kv_num_blocks.shape
     NB = -(-S // Ns)
-    if L % Ms or S % Ns:
-        raise ValueError(f"{op}(): expected the block size {(Ms, Ns)} to divide (L, S) == {(L, S)}")
+    _check_divides(op, (Ms, Ns), L, S)
     if L // Ms != MB:  # (a sliced BlockMask keeps the whole seq_lengths: its rows would start at 0)
         raise ValueError(
             f"{op}(): expected block_mask to hold the {L // Ms} block rows of its seq_lengths {(L, S)}, got "
