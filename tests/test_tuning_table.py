@@ -75,6 +75,22 @@ def test_thread_counts_are_bounded_by_the_machine(tmp_path, monkeypatch, nthread
     )
 
 
+def test_a_tuned_thread_count_stays_within_torchs(tmp_path, monkeypatch):
+    """torch.set_num_threads(1) (the user's limit, and a one-thread benchmark's) holds over a table entry
+    tuned with two threads; an explicit meta count is taken as asked."""
+    table = tmp_path / "t.json"
+    _write_entry(table, json.dumps({"nthreads": 2}))
+    monkeypatch.setenv(tuning.TABLE_ENV, str(table))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert tuning.cpu_mm_meta("bsr_dense_mm", torch.float32, SHAPE, BLOCKS, None)["nthreads"] == 1
+        given = tuning.cpu_mm_meta("bsr_dense_mm", torch.float32, SHAPE, BLOCKS, {"nthreads": 2})
+        assert given["nthreads"] == min(2, os.cpu_count() or 1)
+    finally:
+        torch.set_num_threads(threads)
+
+
 _WRITER = textwrap.dedent(
     """
     import sys

@@ -374,7 +374,8 @@ def resolve(
 ) -> dict[str, Any]:
     """The launch parameters of the kernel variant ``name`` (a value of :data:`TABLE_NAMES`) on
     ``backend`` at ``shape = (M, K, N)``: ``meta`` wins (``{}`` means the defaults); without it, the
-    tuning table's entry for this shape and device; then the backend's defaults
+    tuning table's entry for this shape and device (its thread count at most torch's, the user's limit);
+    then the backend's defaults
     (:meth:`~bsrkit.backends.base.Backend.complete_params`). ``meta`` is checked against the backend's
     :attr:`~bsrkit.backends.base.Backend.param_schema` (errors name the public ``op``, default
     ``name``); a backend without parameters ignores it."""
@@ -436,6 +437,8 @@ def _resolve_unmemoized(
                 f"to be {schema[k].expected}, got {v!r}",
             )
             chosen = {}
+        if "nthreads" in chosen:  # (measured with every core; torch.set_num_threads, the user's limit, holds)
+            chosen["nthreads"] = min(chosen["nthreads"], max(1, torch.get_num_threads()))
     else:
         check_meta(backend, meta, op)
         chosen = dict(meta)
