@@ -109,6 +109,11 @@ def test_tune_writes_a_table_that_products_use(tmp_path, monkeypatch):
     assert main(["tune", "--sizes", "64", "--blocksizes", "16", "--panels", "48", "--threads", "1"]) == 0
     data = json.loads(table.read_text())
     assert data["format"] == "bsrkit-tuning" and data["version"] == 1
+    # (the transposed product takes the parameters untimed: no seconds of its own are recorded)
+    timed = {
+        name for key, entry in data["entries"].items() if "seconds" in entry for name in [key.split("|")[1]]
+    }
+    assert timed == {"bsr_dense_mm"} and len(data["entries"]) == 2
     params = tuning.cpu_mm_meta("bsr_dense_mm", torch.float32, (64, 64, 64), (16, 16), None)
     assert params == {"panel": 48, "nthreads": 1}
     # Products run with the tuned parameters (and stay correct).
