@@ -17,8 +17,9 @@ Sections, in order (each skipped once the budget is spent):
    a candidate counts only if its result matches cuBLAS's.
 3. ``speed``: bsrkit (tuned) vs ``torch.sparse._triton_ops.bsr_dense_mm`` vs dense cuBLAS, n in {4096,
    8192}, blocksizes 32/64/128, densities 0.05-0.5, bf16/fp16/fp32; decode N = 16; ``sampled_addmm`` vs
-   torch's. float32 runs with TF32 allowed (torch's kernel always uses TF32 for float32) and, for bsrkit
-   and cuBLAS, also without.
+   torch's. float32 runs with TF32 allowed (bsrkit and cuBLAS) and without; torch's kernel never uses
+   TF32 for float32 (IEEE dots, float64 accumulation, whatever ``allow_tf32`` says), so it is timed on the
+   IEEE row only.
 4. ``attention``: bsrkit's block-sparse SDPA vs compiled FlexAttention vs dense SDPA, sliding window and
    causal.
 """
@@ -408,7 +409,7 @@ def speed(
             meta = tuned_meta(run, dtype, bs, N)
             t_ours = timed(lambda: bsrkit.bsr_dense_mm(bsr, x, out=out, meta=meta), run.device)  # noqa: B023
             t_torch = math.nan
-            if ops is not None and (dtype != torch.float32 or tf32):  # torch's kernel: TF32 for float32
+            if ops is not None and (dtype != torch.float32 or not tf32):  # (torch's float32: IEEE only)
                 try:
                     t_torch = timed(lambda: ops.bsr_dense_mm(bsr, x, out=out), run.device)  # noqa: B023
                 except Exception as exc:
