@@ -42,16 +42,17 @@ def round_robin_medians(calls: dict[str, Callable[[], object]], rounds: int) -> 
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def bsrkit_calls(bsr: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> dict[str, Callable[[], object]]:
+def bsrkit_calls(bsr: torch.Tensor, x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Every call allocates its result, as torch native's does (and as a user's call does)."""
     calls: dict[str, Callable[[], object]] = {
-        "bsrkit.bsr_dense_mm": lambda: bsrkit.bsr_dense_mm(bsr, x, out=out),
+        "bsrkit.bsr_dense_mm": lambda: bsrkit.bsr_dense_mm(bsr, x),
     }
     for fmt in FORMATS:
         data = bsrkit.bsr_scatter_mm_indices_data(bsr, x, indices_format=fmt)
-        calls[f"bsr_scatter_mm, {fmt}"] = functools.partial(bsrkit.bsr_scatter_mm, bsr, x, data, out=out)
+        calls[f"bsr_scatter_mm, {fmt}"] = functools.partial(bsrkit.bsr_scatter_mm, bsr, x, data)
     tdata = torch_triton_ops.bsr_scatter_mm_indices_data(bsr, x, indices_format=FORMATS[0])
     calls[f"bsr_scatter_mm, {FORMATS[0]} (torch indices)"] = functools.partial(
-        bsrkit.bsr_scatter_mm, bsr, x, tdata, out=out
+        bsrkit.bsr_scatter_mm, bsr, x, tdata
     )
     return calls
 
@@ -72,8 +73,7 @@ def main() -> None:
         n, bs, d, N = int(n_s), int(bs_s), float(d_s), int(N_s)
         bsr, _ = random_bsr_weight(n, bs, d, seed=n + bs)
         x = torch.randn(n, N)
-        out = torch.empty(n, N)
-        calls = bsrkit_calls(bsr, x, out)
+        calls = bsrkit_calls(bsr, x)
         medians = round_robin_medians(calls, args.rounds)
         # Timed apart: torch's OpenMP workers spin after each of its calls, slowing whatever runs next.
         medians |= round_robin_medians(
