@@ -609,6 +609,18 @@ class _Positions(nn.Module):
         self.register_buffer("valid", torch.ones(8, dtype=torch.bool), persistent=False)
 
 
+def _saved_and_built_on_meta(tmp_path, make):
+    """A model of ``make()`` sparsified and saved to ``tmp_path / "m.safetensors"``, and a second one built
+    on meta to load it into."""
+    torch.manual_seed(0)
+    model = make()
+    sparsify_(model, blocksize=4, density=0.5, force=True)
+    save_sparse(model, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        shell = make()
+    return model, shell
+
+
 @pytest.mark.parametrize("computes", [True, False])
 def test_a_meta_model_computing_integer_buffers_in_init_weights_loads(tmp_path, computes):
     """transformers computes integer buffers (BERT's position_ids) in _init_weights: a model built on meta
@@ -629,12 +641,7 @@ def test_a_meta_model_computing_integer_buffers_in_init_weights_loads(tmp_path, 
         def forward(self, x):
             return self.up(x + self.pos.position_ids * self.pos.valid)
 
-    torch.manual_seed(0)
-    model = Model()
-    sparsify_(model, blocksize=4, density=0.5, force=True)
-    save_sparse(model, tmp_path / "m.safetensors")
-    with torch.device("meta"):
-        shell = Model()
+    model, shell = _saved_and_built_on_meta(tmp_path, Model)
     if not computes:
         with pytest.raises(ValueError, match=r"\['pos.valid'\].*did not compute them"):
             load_sparse(shell, tmp_path / "m.safetensors")
@@ -669,12 +676,7 @@ def test_a_meta_model_whose_init_weights_computes_a_buffer_beside_a_weight_loads
         def forward(self, ids):
             return self.up(self.embed(ids) * self.embed.scale)
 
-    torch.manual_seed(0)
-    model = Model()
-    sparsify_(model, blocksize=4, density=0.5, force=True)
-    save_sparse(model, tmp_path / "m.safetensors")
-    with torch.device("meta"):
-        shell = Model()
+    model, shell = _saved_and_built_on_meta(tmp_path, Model)
     loaded = load_sparse(shell, tmp_path / "m.safetensors")
     assert torch.equal(loaded.embed.weight, model.embed.weight)
     ids = torch.arange(10)
