@@ -501,6 +501,22 @@ def test_opcheck_every_custom_op(backend):
         torch.library.opcheck(op, args)
 
 
+def test_the_ops_name_values_of_the_wrong_rank_as_their_fake_kernels_do():
+    """Called directly (torch.ops.bsrkit), the product op raised a bare IndexError for 2-D values where its
+    fake kernel, run under torch.compile, names them: both are ValueErrors naming the values' shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    bsr = torch.randn(32, 48, dtype=torch.float64).to_sparse_bsr((16, 16))
+    parts = (bsr.crow_indices(), bsr.col_indices(), bsr.values().reshape(-1, 16), torch.randn(5, 48).double())
+    args = [t.clone() for t in parts]  # (plain tensors: a fake mode cannot take views of a sparse one)
+    with pytest.raises(ValueError, match=r"values of shape \(\*batch, nnz, Ms, Ks\).*got \(96, 16\)"):
+        torch.ops.bsrkit.linear_product(*args, None, 32, 48, False)
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(t) for t in args]
+    with mode, pytest.raises(ValueError, match=r"values of shape \(nnz, Ms, Ks\), got \(96, 16\)"):
+        torch.ops.bsrkit.linear_product(*fakes, None, 32, 48, False)
+
+
 def test_gradgradcheck_bsrlinear_values_and_input(backend):
     if backend == "triton":
         pytest.skip(

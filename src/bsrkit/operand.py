@@ -129,8 +129,7 @@ class Operand(NamedTuple):
     ) -> Operand:
         """The operand of the BSR ``(crow, col, values)`` of shape ``(*, M, K)``, plans cached on
         ``source``; its pattern validated as in :meth:`of`."""
-        Ms, Ks = values.shape[-2:]
-        nnz = values.shape[-3]
+        Ms, Ks, nnz = (*values.shape[-2:], values.shape[-3]) if values.ndim >= 3 else (0, 0, -1)
         if values.shape[:-3] != crow.shape[:-1] or col.shape[-1:] != (nnz,) or not Ms or not Ks:
             raise ValueError(
                 f"{op}(): malformed {name}: expected values of shape (*batch, nnz, Ms, Ks) with batch "
