@@ -109,6 +109,50 @@ def scenario_ddp(rank: int, world: int, out: Path) -> dict:
     return result
 
 
+def scenario_ddp_rigl(rank: int, world: int, out: Path) -> dict:
+    """RigL under DDP grows by the gradient of the global batch, as one process on that batch does: each
+    rank recorded its own batch's dense gradient and grew other blocks, the replicas then diverging."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from bsrkit.prune import GradualPruner, RigL
+
+    g = torch.Generator().manual_seed(1)
+    x, y = (
+        torch.randn(9, 16, 32, generator=g, dtype=torch.float64),
+        torch.randn(9, 16, 8, generator=g, dtype=torch.float64),
+    )
+
+    def run(distributed: bool) -> tuple[list[torch.Tensor], nn.Module]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        model = model.double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        pruner = GradualPruner(
+            model, opt, blocksize=8, target_density=0.25, start_step=0, end_step=1, every=1, sparse_below=1.0,
+            regrow=RigL(fraction=0.3, every=2, decay="constant"),
+        )  # fmt: skip
+        masks, net = [], model
+        for i in range(9):
+            if i == 1 and distributed:  # (wrapped after the first step made the layers block-sparse)
+                net = DistributedDataParallel(model)
+            xs, ys = (rank_slice(x[i], rank, world), rank_slice(y[i], rank, world)) if i else (x[i], y[i])
+            opt.zero_grad()
+            nn.functional.mse_loss(net(xs if distributed else x[i]), ys if distributed else y[i]).backward()
+            opt.step()
+            pruner.step()
+            masks += [m.clone() for m in pruner.masks().values()]
+        return masks, model
+
+    ref_masks, ref = run(False)
+    masks, model = run(True)
+    return {
+        "masks_equal_single_process_per_rank": _gather_ints(
+            int(all(torch.equal(a, b) for a, b in zip(masks, ref_masks, strict=True))), world
+        ),
+        "weights_max_abs": max(max_abs(model[i].to_dense(), ref[i].to_dense()) for i in (0, 2, 4)),
+    }
+
+
 def scenario_ddp_pattern(rank: int, world: int, out: Path) -> dict:
     """A pattern changed on rank 0 after wrapping, with DDP's default buffer sync before every forward:
     the broadcast writes the other ranks' index buffers without moving their version counters, after
@@ -404,6 +448,7 @@ def _one_block_per_row(cols: list[int]) -> BSRLinear:
 SCENARIOS = {
     "ddp": scenario_ddp,
     "ddp_pattern": scenario_ddp_pattern,
+    "ddp_rigl": scenario_ddp_rigl,
     "fsdp2": scenario_fsdp2,
     "tp": scenario_tp,
 }

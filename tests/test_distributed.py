@@ -93,7 +93,7 @@ def run_ranks(out: Path, scenarios: list[str], world: int = 2, timeout: float = 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("dist")
-    scenarios = ["ddp", "ddp_pattern", "fsdp2", "tp"]
+    scenarios = ["ddp", "ddp_pattern", "ddp_rigl", "fsdp2", "tp"]
     run_ranks(out, scenarios)
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in scenarios}
 
@@ -116,6 +116,15 @@ def test_ddp_pattern_changed_on_rank_0_after_wrapping_reaches_every_rank(two_ran
     print("\nDDP, pattern changed on rank 0:", json.dumps(result))
     assert result["new_pattern_per_rank"] == [True, True], result
     assert max(result["max_abs_per_rank"]) < TOL, result
+
+
+def test_rigl_under_ddp_grows_the_blocks_one_process_grows_on_the_global_batch(two_ranks):
+    """Each rank recorded the dense gradient of its own batch: the ranks grew different blocks, and the
+    replicas' weights diverged (0.1-0.3 on weights of 0.2). The gradient is averaged over the ranks."""
+    result = two_ranks[1]["ddp_rigl"]
+    print("\nRigL under DDP:", json.dumps(result))
+    assert result["masks_equal_single_process_per_rank"] == [1, 1], result
+    assert result["weights_max_abs"] < TOL, result
 
 
 def test_fsdp2_matches_single_process_and_shards_values(two_ranks):

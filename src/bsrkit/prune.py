@@ -100,6 +100,21 @@ def _score_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
+def _averaged_over_ranks(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` averaged over the default process group where torch.distributed runs more than one rank
+    (as DDP averages the weights' gradients): each rank recorded the dense gradient of its own batch, and
+    ranks that grew blocks by their own would choose different patterns, their replicas then diverging.
+    Every rank must reach it, as every rank steps the pruner under DDP."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return grad
+    world = torch.distributed.get_world_size()
+    if world == 1:
+        return grad
+    grad = grad.clone()  # (the record may be a view of what autograd handed on)
+    torch.distributed.all_reduce(grad)
+    return grad.div_(world)
+
+
 @dataclasses.dataclass
 class _Layer:
     fqn: str
@@ -388,7 +403,7 @@ class GradualPruner:
                     stacklevel=4,  # (the caller of step, past torch.no_grad's wrapper)
                 )
             return mask
-        growth = repattern.block_view(grad.float(), self.blocksize).pow(2).sum((-1, -2))
+        growth = repattern.block_view(_averaged_over_ranks(grad.float()), self.blocksize).pow(2).sum((-1, -2))
         if not bool(growth.isfinite().all()):  # (a step a GradScaler skipped: no gradient to grow by)
             return mask
         return drop_and_grow(mask, self._magnitude(layer), growth, self.regrow.fraction_at(self.steps))
