@@ -7,7 +7,7 @@ import torch
 import bsrkit
 from bsrkit import reference
 from bsrkit.nn import BSRLinear
-from helpers import assert_close
+from helpers import assert_close, backends
 
 
 def _dense_twin(layer: BSRLinear) -> torch.nn.Linear:
@@ -948,10 +948,12 @@ def test_a_half_type_bias_is_added_before_the_one_rounding_as_by_nn_linear(dtype
     assert (got.double() - exact).abs().max() <= (expected.double() - exact).abs().max() * 1.01
 
 
+@pytest.mark.parametrize("backend", backends("cpu", "torch"), indirect=True)
 @pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
-def test_under_autocast_as_nn_linear(low):
+def test_under_autocast_as_nn_linear(low, backend):
     """The product runs in the autocast dtype (as F.linear's), gradients reach the float32 values; a
-    float64 layer is left as it is (autocast leaves float64)."""
+    float64 layer is left as it is (autocast leaves float64). On the torch backend too, whose bmm
+    autocast turned to the half type (its float32 accumulator then refused the products)."""
     torch.manual_seed(0)
     layer = BSRLinear(64, 32, 16, density=0.5)
     dense = torch.nn.Linear(64, 32)

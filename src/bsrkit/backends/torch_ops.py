@@ -9,8 +9,9 @@ are computed in float32.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+import functools
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -39,10 +40,26 @@ __all__ = [
 _CHUNK_ELEMENTS = 1 << 24
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _autocast_off(fn: F) -> F:
+    """``fn`` with autocast off: its products are formed in the accumulator's dtype on purpose (under
+    ``torch.autocast`` torch's bmm returned the autocast dtype, which a float32 accumulator refused)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+@_autocast_off
 def bsr_mm_into(
     crow: torch.Tensor,  # (B, MB + 1), one row per output batch (already broadcast)
     col: torch.Tensor,  # (B, nnz)
@@ -99,6 +116,7 @@ def _gather_products(
         acc_flat.index_add_(1, r_idx, prods.reshape(B, -1))
 
 
+@_autocast_off
 def scatter_mm_into(
     blocks: torch.Tensor, others: torch.Tensor, indices_data: tuple, accumulators: torch.Tensor
 ) -> None:
@@ -164,6 +182,7 @@ def _add_into_shared(target: torch.Tensor, addend: torch.Tensor) -> None:
     memory.index_add_(0, where.reshape(-1), addend.reshape(-1))
 
 
+@_autocast_off
 def sampled_blocks(
     rows: torch.Tensor,  # (B, nnz) block row of each block
     cols: torch.Tensor,  # (B, nnz) block column of each block
