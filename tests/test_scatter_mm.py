@@ -426,9 +426,11 @@ def test_torch_made_indices_data_are_accepted():
         data = _triton_ops.bsr_scatter_mm_indices_data(bsr, other, fmt)
         assert_close(bsrkit.bsr_scatter_mm(bsr, other, data), reference.bsr_scatter_mm(bsr, other))
     # (numpy's integers, as torch takes them: its indices data then hold one)
-    for made_by in (_triton_ops, bsrkit):
-        data = made_by.bsr_scatter_mm_indices_data(bsr, other, "bsr_strided_mm", SPLIT_N=np.int64(2))
+    for made_by, split_n in ((_triton_ops, np.int64(2)), (bsrkit, np.int64(2)), (bsrkit, np.int8(2))):
+        data = made_by.bsr_scatter_mm_indices_data(bsr, other, "bsr_strided_mm", SPLIT_N=split_n)
         assert_close(bsrkit.bsr_scatter_mm(bsr, other, data), reference.bsr_scatter_mm(bsr, other))
+    with pytest.raises(ValueError, match=r"^scatter_mm_meta\(\): expected SPLIT_N to be a positive int"):
+        bsrkit.scatter_mm_meta(32, 48, 32, 8, 16, SPLIT_N=0)  # (named as the function called)
 
 
 def test_out_sharing_memory_with_other_gets_the_product_of_other_as_it_was_on_every_path():

@@ -3,6 +3,7 @@ product suite runs on this backend too, as the ``triton`` product path (tests/te
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -141,6 +142,22 @@ def test_inner_dimension_offsets_past_int32_are_not_wrapped():
         assert bsrkit.bsr_dense_mm(bsr, dense, meta={"FLAT_LOOP": flat}).eq(k).all()
     sampled = bsrkit.sampled_addmm(bsr, torch.ones(k, k, dtype=torch.float16), dense, beta=0.0)
     assert sampled.values().eq(k).all()
+
+
+def test_numpy_integers_reach_the_kernels_as_ints():
+    """numpy's integers in meta= and SPLIT_N (torch's indices data may hold one): Triton's launcher and
+    tile rules refused them (InterpreterError, AttributeError 'bit_length')."""
+    from torch.sparse import _triton_ops
+
+    bsr = random_bsr((64, 64), (16, 16), 0.5)
+    x = torch.randn(64, 32)
+    ref = reference.bsr_dense_mm(bsr, x)
+    assert_close(
+        bsrkit.bsr_dense_mm(bsr, x, meta={"BLOCK_M": np.int64(16), "num_warps": np.int64(4)}), ref, k=64
+    )
+    for made_by in (bsrkit, _triton_ops):
+        data = made_by.bsr_scatter_mm_indices_data(bsr, x, "bsr_strided_mm_compressed", SPLIT_N=np.int64(2))
+        assert_close(bsrkit.bsr_scatter_mm(bsr, x, data), ref, k=64)
 
 
 def test_alpha_keeps_float64_precision():

@@ -189,8 +189,11 @@ def check_indices_data(
     if not is_int(split_n):
         _build_check_indices(indices_data, P, Ms, Ks, others, acc)  # raises: a malformed meta
         return indices_data
+    split_n = int(split_n)  # (torch's indices data may hold a numpy integer: Triton's tiles refuse one)
     judged = _plan("check_indices", indices_data[0], tensors, split_n, P, Ms, Ks, tuple(others), tuple(acc))
-    return (indices_data[0], *judged, *indices_data[1 + len(tensors) :])
+    if indices_data[0] == "scatter_mm":
+        return (indices_data[0], *judged, *indices_data[1 + len(tensors) :])
+    return (indices_data[0], *judged, {**meta, "SPLIT_N": split_n})
 
 
 def transpose_plan(source: Source, block_cols: int) -> TransposePlan:

@@ -87,7 +87,7 @@ def bsr_scatter_mm_indices_data(
             f"{op}(): offsets into other reach K * N - 1 = {K * N - 1} > 2**31 - 1, which overflows bsr's "
             "int32 indices: give bsr int64 indices (crow_indices().long(), col_indices().long())"
         )
-    meta = scatter_mm_meta(M, K, N, Ms, Ks, **meta_input)
+    meta = _meta("bsr_scatter_mm_indices_data", M, K, N, Ms, Ks, dict(meta_input))
     if "allow_tf32" not in meta_input:  # as torch: TF32 dots for half types only
         meta["allow_tf32"] = bsr.dtype in (torch.float16, torch.bfloat16)
     data = _indices_data(bsr, indices_format, N, 0, meta["SPLIT_N"])
@@ -460,19 +460,20 @@ def scatter_mm_meta(M: int, K: int, N: int, Ms: int, Ks: int, **meta_input: Any)
     replaced by their greatest common divisor. Torch also consults a per-GPU table on CUDA machines; that
     is not reproduced here.
     """
+    return _meta("scatter_mm_meta", M, K, N, Ms, Ks, meta_input)
+
+
+def _meta(op: str, M: int, K: int, N: int, Ms: int, Ks: int, meta_input: dict[str, Any]) -> dict[str, Any]:
+    """:func:`scatter_mm_meta`, errors naming ``op``; the integers given (numpy's too) as ints."""
     # (None means not given, as in torch; popped either way, so that no None passes through)
     given = {k: v for k in _SCATTER_MM_KEYS if (v := meta_input.pop(k, None)) is not None}
     for name, value in given.items():
         if not is_int(value) or value < 1:
-            raise ValueError(
-                f"bsr_scatter_mm_indices_data(): expected {name} to be a positive int, got {value!r}"
-            )
+            raise ValueError(f"{op}(): expected {name} to be a positive int, got {value!r}")
+        given[name] = int(value)  # (a numpy integer would overflow or reach Triton's launcher)
     split_n = given.get("SPLIT_N")
     if split_n is not None and N > 0 and N % split_n:
-        raise ValueError(
-            f"bsr_scatter_mm_indices_data(): expected SPLIT_N to be a positive divisor of N == {N}, "
-            f"got {split_n!r}"
-        )
+        raise ValueError(f"{op}(): expected SPLIT_N to be a positive divisor of N == {N}, got {split_n!r}")
     point = _TORCH_SCATTER_MM_POINTS.get((M, Ms)) if M == K == N and Ms == Ks and not given else None
     if point is not None:
         split_n, tile_m, tile_n, group_size, num_warps = point

@@ -38,6 +38,7 @@ from bsrkit.backends import BACKENDS, Backend
 from bsrkit.backends.cpu.backend import cpu_device_name
 from bsrkit.environment import getenv
 from bsrkit.loading import import_module
+from bsrkit.validation import is_int
 
 __all__ = [
     "TABLE_ENV",
@@ -441,7 +442,8 @@ def _resolve_unmemoized(
             chosen["nthreads"] = min(chosen["nthreads"], max(1, torch.get_num_threads()))
     else:
         check_meta(backend, meta, op)
-        chosen = dict(meta)
+        # (numpy's integers as ints: a narrow one overflows in the work estimates, Triton refuses them)
+        chosen = {k: int(v) if is_int(v) else v for k, v in meta.items()}
     return backend.complete_params(_KERNEL_OF[name], dtype, shape, blocksize, chosen)
 
 
