@@ -683,6 +683,40 @@ def test_a_meta_model_whose_init_weights_computes_a_buffer_beside_a_weight_loads
     assert torch.equal(loaded(ids), model(ids))
 
 
+def test_an_init_weights_that_raises_is_named_as_the_cause(tmp_path):
+    """An _init_weights failing on meta (a bug in it, or weights it cannot write there) is the refusal's
+    named cause: it was swallowed, and the refusal said it computed nothing."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos, self.up = _Positions(), nn.Linear(8, 8)
+
+        def _init_weights(self, module):
+            if isinstance(module, _Positions):
+                raise AttributeError("'Model' object has no attribute 'config'")
+
+    _, shell = _saved_and_built_on_meta(tmp_path, Model)
+    with pytest.raises(
+        ValueError, match=r"_init_weights \(if any\) raised AttributeError: 'Model' object"
+    ) as info:
+        load_sparse(shell, tmp_path / "m.safetensors")
+    assert isinstance(info.value.__cause__, AttributeError)
+
+
+@pytest.mark.parametrize("on_meta", [False, True])
+def test_a_model_in_eval_mode_loads_in_eval_mode(tmp_path, on_meta):
+    """The swapped-in layers take the mode of the layers they replace (they came back in training mode
+    beside the model's other modules in eval mode)."""
+
+    def make():
+        return nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1), nn.Linear(16, 16)).eval()
+
+    _, shell = _saved_and_built_on_meta(tmp_path, make)
+    loaded = load_sparse(shell if on_meta else make, tmp_path / "m.safetensors")
+    assert isinstance(loaded[0], BSRLinear) and {m.training for m in loaded.modules()} == {False}
+
+
 def test_an_init_weights_writing_a_childs_weights_never_overwrites_loaded_ones(tmp_path):
     """GPT-2's attention module (transformers 4.x) holds no parameters of its own, non-persistent bool and
     float buffers, and an _init_weights that re-draws a child's weight: it ran after the file's tensors

@@ -292,6 +292,7 @@ def _swap_layers(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
         )
         layer.values = nn.Parameter(layer.values.new_empty((spec["nnz"], bo, bi)))
         layer.col_indices = layer.col_indices.new_empty(spec["nnz"])
+        layer.train(module.training)  # (a model built in eval mode serves in eval mode)
         # (a module used at several places is one layer at all of them, as sparsify_ made it)
         swaps.append((places[id(module)][1] if id(module) in places else [fqn], layer))
     for fqns, layer in swaps:
@@ -316,16 +317,20 @@ def _materialise_buffers(model: nn.Module, device: torch.device, loaded: set[str
             continue
         # (weights on meta take any write, never over a loaded one; an init that cannot run there
         # computed nothing, and the error below names the buffers)
+        failure: Exception | None = None
         if callable(init) and all(p.device.type == "meta" for p in module.parameters(recurse=False)):
-            with contextlib.suppress(Exception):
+            try:
                 names = _computed_by_init(init, module, names, device)
+            except Exception as exc:  # (named below, and chained as the cause)
+                failure = exc
         if names:
+            why = "did not compute them" if failure is None else f"raised {type(failure).__name__}: {failure}"
             raise ValueError(
                 f"load_sparse(): the model's buffers {[f'{fqn}.{n}' if fqn else n for n in names]} are on "
-                "the meta device and not in the checkpoint (non-persistent), and its _init_weights (if any) "
-                "did not compute them; pass a factory instead of a model built on meta (load_sparse builds "
-                "buffers for real)"
-            )
+                f"the meta device and not in the checkpoint (non-persistent), and its _init_weights (if any) "
+                f"{why}; pass a factory instead of a model built on meta (load_sparse builds buffers for "
+                "real)"
+            ) from failure
 
 
 def _filled(buffer: torch.Tensor, device: torch.device, second: bool) -> torch.Tensor:
