@@ -517,6 +517,21 @@ def test_the_ops_name_values_of_the_wrong_rank_as_their_fake_kernels_do():
         torch.ops.bsrkit.linear_product(*fakes, None, 32, 48, False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_product_op_computes_no_gradient_whatever_requires_one(dtype):
+    """bsrkit::linear_product is the no-grad op: a half-type call whose bias requires grad raised "expected
+    out=None when an argument requires grad" (the bias went to a product with an input)."""
+    layer = BSRLinear(64, 32, 16, density=0.5, generator=torch.Generator().manual_seed(0)).to(dtype)
+    layer.values.requires_grad_(False)
+    x = torch.randn(5, 64).to(dtype)
+    with torch.no_grad():
+        expected = layer(x)
+    got = torch.ops.bsrkit.linear_product(
+        layer.crow_indices, layer.col_indices, layer.values, x, layer.bias, 32, 64, False
+    )
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_gradgradcheck_bsrlinear_values_and_input(backend):
     if backend == "triton":
         pytest.skip(

@@ -875,3 +875,18 @@ def test_sampled_addmm_refuses_an_out_whose_expanded_pattern_cannot_take_input_s
     with pytest.raises(ValueError, match="out's pattern differs from input's"):
         bsrkit.sampled_addmm(input, torch.randn(4, 3), torch.randn(3, 4), out=out)
     assert out.crow_indices().tolist() == [[0, 2, 2], [0, 2, 2]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_a_half_type_input_overlapping_out_is_read_as_it_was(dtype, beta):
+    """out := input + bsr @ dense with input = out.mT: an input of out's dtype with beta == 1 is
+    accumulated onto in place, but one overlapping out otherwise must be read before out is written (it
+    raised torch's overlap error)."""
+    torch.manual_seed(0)
+    bsr = torch.randn(32, 32).to(dtype).to_sparse_bsr(16)
+    dense = torch.randn(32, 32).to(dtype)
+    out = torch.randn(32, 32).to(dtype)
+    expected = beta * out.double().mT + bsr.to_dense().double() @ dense.double()
+    bsrkit.bsr_dense_addmm(out.mT, bsr, dense, beta=beta, out=out)
+    reference.assert_close(out, expected, dtype, 32)

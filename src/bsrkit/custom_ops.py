@@ -63,11 +63,12 @@ def linear_product(
     y = x.new_empty(*x.shape[:-1], K if transposed else M)  # (sizes as arguments: ~0.5 µs less than a tuple)
     if bias is not None and y.dtype in (torch.float16, torch.bfloat16):
         # The bias added to the float32 sums and the result rounded once, as F.linear (added to the
-        # product already rounded, ~12% of the outputs were one rounding off): the product with an input.
+        # product already rounded, ~12% of the outputs were one rounding off): the product with an input
+        # (detached: this op computes no gradient, bsrkit::linear's backward does).
         validated = Operand.of(weight, _OP, "weight", members_proven=True)
         ops.checked_addmm(
-            _OP, bias[:, None], weight, dispatch.rows(x).mT, beta=1.0, alpha=1.0, out=dispatch.rows(y).mT,
-            meta=None, transpose=transposed, operand=validated,
+            _OP, bias.detach()[:, None], weight, dispatch.rows(x).mT, beta=1.0, alpha=1.0,
+            out=dispatch.rows(y).mT, meta=None, transpose=transposed, operand=validated,
         )  # fmt: skip
         if used is not None:
             used.append(validated)

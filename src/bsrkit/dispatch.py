@@ -126,7 +126,7 @@ def addmm(
         out.dtype in (torch.float16, torch.bfloat16)
         and input is not None
         and beta != 0
-        and not (beta == 1 and input.dtype == out.dtype)
+        and not (beta == 1 and input.dtype == out.dtype and _copies_into(input, out))
     )
     if unproven and (scaled or half_input or dense.dtype is torch.int8):
         _prove(a)  # (these paths recurse, on no prepared call of a kept operand)
@@ -355,6 +355,12 @@ def _scale_input_into(out: torch.Tensor, input: torch.Tensor, beta: float) -> No
         out.copy_(input.expand(out.shape))
     if beta != 1:
         out.mul_(beta)
+
+
+def _copies_into(input: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``out := input`` can be written in place: ``input`` is ``out``'s own view, or on another
+    storage (a view overlapping ``out`` otherwise, ``out.mT`` say, is copied through float32)."""
+    return _same_view(input, out) or input.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

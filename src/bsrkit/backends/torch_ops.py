@@ -178,7 +178,10 @@ def _add_into_shared(target: torch.Tensor, addend: torch.Tensor) -> None:
         return
     span = 1 + sum((size - 1) * stride for size, stride in zip(target.shape, target.stride(), strict=True))
     memory = target.as_strided((span,), (1,))  # (from target's first element, its storage offset)
-    where = torch.arange(span, device=target.device).as_strided(target.shape, target.stride())
+    where = torch.zeros((), dtype=torch.int64, device=target.device)  # (each element's offset: numel of them)
+    for dim, (size, stride) in enumerate(zip(target.shape, target.stride(), strict=True)):
+        step = torch.arange(size, device=target.device) * stride
+        where = where + step.view(size, *[1] * (target.ndim - 1 - dim))
     memory.index_add_(0, where.reshape(-1), addend.reshape(-1))
 
 
