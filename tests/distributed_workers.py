@@ -150,7 +150,47 @@ def scenario_ddp_rigl(rank: int, world: int, out: Path) -> dict:
             int(all(torch.equal(a, b) for a, b in zip(masks, ref_masks, strict=True))), world
         ),
         "weights_max_abs": max(max_abs(model[i].to_dense(), ref[i].to_dense()) for i in (0, 2, 4)),
+        "masks_equal_with_a_layer_unused_on_rank_1": _masks_with_a_layer_unused_on_rank_1(rank, world),
     }
+
+
+def _masks_with_a_layer_unused_on_rank_1(rank: int, world: int) -> bool:
+    """A layer rank 1 skips in the step before an update records nothing there: that rank still joins
+    the average (as zeros, as DDP counts an unused parameter), where it skipped the collective and the
+    ranks hung or aborted."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from bsrkit.prune import GradualPruner, RigL
+
+    class Skipping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+            h = torch.relu(self.a(x))
+            return self.head(torch.relu(self.b(h)) if use_b else h)
+
+    torch.manual_seed(0)
+    model = Skipping().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    pruner = GradualPruner(
+        model, opt, blocksize=8, target_density=0.25, start_step=0, end_step=1, every=1, sparse_below=1.0,
+        filter_fn=lambda m, name: name in ("a", "b"), regrow=RigL(fraction=0.5, every=2, decay="constant"),
+    )  # fmt: skip
+    shared, own = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2 + rank)
+    net: nn.Module = model
+    for i in range(4):
+        if i == 1:  # (wrapped after the first step, on the same batch everywhere, made the layers sparse)
+            net = DistributedDataParallel(model, find_unused_parameters=True)
+        opt.zero_grad()
+        x = torch.randn(8, 32, generator=own if i else shared, dtype=torch.float64)
+        net(x, use_b=not (rank == 1 and i == 1)).sum().backward()
+        opt.step()
+        pruner.step()
+    everyone: list[Any] = [None] * world
+    torch.distributed.all_gather_object(everyone, [m.clone() for m in pruner.masks().values()])
+    return all(torch.equal(p, q) for p, q in zip(everyone[0], everyone[1], strict=True))
 
 
 def scenario_ddp_pattern(rank: int, world: int, out: Path) -> dict:

@@ -125,6 +125,7 @@ def test_rigl_under_ddp_grows_the_blocks_one_process_grows_on_the_global_batch(t
     print("\nRigL under DDP:", json.dumps(result))
     assert result["masks_equal_single_process_per_rank"] == [1, 1], result
     assert result["weights_max_abs"] < TOL, result
+    assert result["masks_equal_with_a_layer_unused_on_rank_1"], result
 
 
 def test_fsdp2_matches_single_process_and_shards_values(two_ranks):

@@ -390,6 +390,15 @@ def test_the_break_even_density_is_the_layer_dtypes(tmp_path, monkeypatch, dtype
     assert pruner.sparse_layers() == (["0", "2", "4"] if dtype is torch.float64 else [])
 
 
+def test_rigl_averages_over_the_replicas_it_is_given():
+    """Which ranks' gradients RigL averages (tests/test_distributed.py runs it on 2 ranks): none without a
+    process group of more than one rank, or with replicas=None; a string other than "default" is refused."""
+    assert torch.distributed.is_initialized() or RigL().group() is None
+    assert RigL(replicas=None).group() is None
+    with pytest.raises(ValueError, match=r"RigL\(\): expected replicas 'default', None or a process group"):
+        RigL(replicas="world")
+
+
 def test_drop_and_grow_and_the_rigl_schedule():
     mask = torch.tensor([[True, True, False], [True, False, False]])
     magnitude = torch.tensor([[3.0, 1.0, 0.0], [2.0, 0.0, 0.0]])

@@ -100,19 +100,21 @@ def _score_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
-def _averaged_over_ranks(grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` averaged over the default process group where torch.distributed runs more than one rank
-    (as DDP averages the weights' gradients): each rank recorded the dense gradient of its own batch, and
-    ranks that grew blocks by their own would choose different patterns, their replicas then diverging.
-    Every rank must reach it, as every rank steps the pruner under DDP."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return grad
-    world = torch.distributed.get_world_size()
-    if world == 1:
-        return grad
-    grad = grad.clone()  # (the record may be a view of what autograd handed on)
-    torch.distributed.all_reduce(grad)
-    return grad.div_(world)
+def _averaged_over(
+    group: Any, grad: torch.Tensor | None, shape: tuple[int, int], device: Any
+) -> torch.Tensor | None:
+    """The dense gradient averaged over the ranks of ``group`` (:attr:`RigL.replicas`), a rank that recorded
+    none counting zeros, as DDP counts an unused parameter's gradient; None where no rank recorded one.
+    Each rank recorded the gradient of its own batch: ranks growing blocks by their own chose different
+    patterns, and their replicas diverged. One collective for every rank, record or not."""
+    buffer = torch.zeros(shape[0] * shape[1] + 1, dtype=torch.float32, device=device)
+    if grad is not None:
+        buffer[:-1] = grad.reshape(-1)
+        buffer[-1] = 1.0
+    torch.distributed.all_reduce(buffer, group=group)
+    if not buffer[-1]:
+        return None
+    return buffer[:-1].div_(torch.distributed.get_world_size(group)).view(shape)
 
 
 @dataclasses.dataclass
@@ -391,6 +393,11 @@ class GradualPruner:
     def _regrow(self, layer: _Layer, mask: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
         """``mask`` after a drop-and-grow update by the dense gradient ``grad`` (unchanged without one)."""
         assert self.regrow is not None
+        group = self.regrow.group()
+        if group is not None:
+            module = layer.module
+            features = (module.out_features, module.in_features)
+            grad = _averaged_over(group, grad, features, repattern.weight_of(module).device)
         if grad is None:
             trained = getattr(repattern.weight_of(layer.module), "grad", None)  # (zeros: not this step)
             if layer.sparse and trained is not None and bool(trained.any()):
@@ -403,7 +410,7 @@ class GradualPruner:
                     stacklevel=4,  # (the caller of step, past torch.no_grad's wrapper)
                 )
             return mask
-        growth = repattern.block_view(_averaged_over_ranks(grad.float()), self.blocksize).pow(2).sum((-1, -2))
+        growth = repattern.block_view(grad.float(), self.blocksize).pow(2).sum((-1, -2))
         if not bool(growth.isfinite().all()):  # (a step a GradScaler skipped: no gradient to grow by)
             return mask
         return drop_and_grow(mask, self._magnitude(layer), growth, self.regrow.fraction_at(self.steps))

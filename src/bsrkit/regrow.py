@@ -40,12 +40,19 @@ def _is_count(n: Any) -> bool:
 class RigL:
     """The regrowth schedule (module docstring): ``fraction`` of the kept blocks swapped at steps
     ``every``, ``2 * every``, ... up to ``until`` (None: for as long as training runs), the fraction
-    decaying to 0 at ``until`` (``decay="cosine"``) or constant (``"constant"``)."""
+    decaying to 0 at ``until`` (``decay="cosine"``) or constant (``"constant"``).
+
+    ``replicas``: the process group whose ranks hold replicas of the model (DDP's), over which the
+    recorded dense gradients are averaged before blocks are grown, so that every replica grows the same
+    blocks; ``"default"``: torch.distributed's default group where it runs more than one rank; None: no
+    averaging (each rank trains a model of its own, or pipeline and tensor-parallel ranks). Every rank of
+    the group must step its pruner at the same steps, as under DDP."""
 
     fraction: float = 0.3
     every: int = 100
     until: int | None = None
     decay: str = "cosine"
+    replicas: Any = "default"
 
     def __post_init__(self) -> None:
         if isinstance(self.fraction, bool) or not isinstance(self.fraction, numbers.Real):
@@ -63,6 +70,20 @@ class RigL:
             object.__setattr__(self, "until", int(self.until))
         if self.decay not in ("cosine", "constant"):
             raise ValueError(f"RigL(): expected decay 'cosine' or 'constant', got {self.decay!r}")
+        if isinstance(self.replicas, str) and self.replicas != "default":
+            raise ValueError(
+                f"RigL(): expected replicas 'default', None or a process group, got {self.replicas!r}"
+            )
+
+    def group(self) -> Any:
+        """The process group to average over, or None: no averaging (see ``replicas``)."""
+        if self.replicas is None or not torch.distributed.is_available():
+            return None
+        if self.replicas == "default":
+            if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+                return None
+            return torch.distributed.group.WORLD
+        return None if torch.distributed.get_world_size(self.replicas) == 1 else self.replicas
 
     def due(self, step: int) -> bool:
         """Whether ``step`` (steps done) ends with an update."""
