@@ -621,25 +621,27 @@ def _saved_and_built_on_meta(tmp_path, make):
     return model, shell
 
 
+class _PositionsModel(nn.Module):  # (the tests give it an _init_weights of their own)
+    def __init__(self):
+        super().__init__()
+        self.pos, self.up = _Positions(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.up(x + self.pos.position_ids * self.pos.valid)
+
+
 @pytest.mark.parametrize("computes", [True, False])
 def test_a_meta_model_computing_integer_buffers_in_init_weights_loads(tmp_path, computes):
     """transformers computes integer buffers (BERT's position_ids) in _init_weights: a model built on meta
     loads with them (a regression refused every model holding one); an _init_weights leaving one
     unwritten is refused by name, never uninitialised memory."""
 
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pos, self.up = _Positions(), nn.Linear(8, 8)
-
+    class Model(_PositionsModel):
         def _init_weights(self, module):
             if isinstance(module, _Positions):
                 module.position_ids.copy_(torch.arange(8))
                 if computes:
                     module.valid.fill_(True)
-
-        def forward(self, x):
-            return self.up(x + self.pos.position_ids * self.pos.valid)
 
     model, shell = _saved_and_built_on_meta(tmp_path, Model)
     if not computes:
@@ -687,11 +689,7 @@ def test_an_init_weights_that_raises_is_named_as_the_cause(tmp_path):
     """An _init_weights failing on meta (a bug in it, or weights it cannot write there) is the refusal's
     named cause: it was swallowed, and the refusal said it computed nothing."""
 
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pos, self.up = _Positions(), nn.Linear(8, 8)
-
+    class Model(_PositionsModel):
         def _init_weights(self, module):
             if isinstance(module, _Positions):
                 raise AttributeError("'Model' object has no attribute 'config'")
