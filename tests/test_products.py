@@ -877,6 +877,21 @@ def test_sampled_addmm_refuses_an_out_whose_expanded_pattern_cannot_take_input_s
     assert out.crow_indices().tolist() == [[0, 2, 2], [0, 2, 2]]
 
 
+def test_a_half_type_input_aliasing_out_through_another_storage_is_read_as_it_was():
+    """The same memory through two numpy views (two storage objects, a row apart): comparing storages
+    missed it, and the input was copied into out over itself (errors of 4); the byte ranges see it."""
+    torch.manual_seed(0)
+    memory = np.zeros(33 * 32, dtype=np.float16)
+    out = torch.from_numpy(memory[32:]).view(32, 32)
+    input = torch.from_numpy(memory[:-32]).view(32, 32)
+    out.copy_(torch.randn(32, 32))
+    bsr = torch.randn(32, 32).half().to_sparse_bsr(16)
+    dense = torch.randn(32, 32).half()
+    expected = input.double() + bsr.to_dense().double() @ dense.double()
+    bsrkit.bsr_dense_addmm(input, bsr, dense, out=out)
+    reference.assert_close(out, expected, torch.float16, 32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("beta", [1.0, 0.5])
 def test_a_half_type_input_overlapping_out_is_read_as_it_was(dtype, beta):

@@ -16,6 +16,7 @@ from bsrkit import shortcuts, tuning
 from bsrkit.backends import BACKENDS, Backend
 from bsrkit.environment import getenv
 from bsrkit.operand import Operand
+from bsrkit.validation import may_share_memory
 
 __all__ = [
     "BACKEND_ENV",
@@ -358,9 +359,9 @@ def _scale_input_into(out: torch.Tensor, input: torch.Tensor, beta: float) -> No
 
 
 def _copies_into(input: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether ``out := input`` can be written in place: ``input`` is ``out``'s own view, or on another
-    storage (a view overlapping ``out`` otherwise, ``out.mT`` say, is copied through float32)."""
-    return _same_view(input, out) or input.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+    """Whether ``out := input`` can be written in place: ``input`` is ``out``'s own view, or apart from it
+    (one overlapping ``out`` otherwise, ``out.mT`` say, is copied through float32)."""
+    return _same_view(input, out) or not may_share_memory(input, out)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
