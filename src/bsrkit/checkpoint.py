@@ -304,9 +304,9 @@ def _materialise_buffers(model: nn.Module, device: torch.device, loaded: set[str
     ``loaded``: the names the file will fill): a transformers model recomputes them through its
     ``_init_weights`` (as ``from_pretrained`` does) on modules whose own parameters are all on meta
     (rotary embeddings: none; Gemma's scaled embedding: its weight); anything else left on meta is an
-    error. Runs before the file's tensors are assigned,
-    while the parameters are still on meta: an ``_init_weights`` that also writes a child's weights
-    (GPT-2's attention module) writes nothing there, never over a loaded weight."""
+    error. Runs before the file's tensors are assigned, while the parameters are still on meta: an
+    ``_init_weights`` that also writes a child's weights (GPT-2's attention module) writes nothing there,
+    never over a loaded weight."""
     init = getattr(model, "_init_weights", None)
     for fqn, module in model.named_modules():
         names = [

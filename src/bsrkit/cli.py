@@ -427,13 +427,11 @@ def _tune_shapes(
             f"{best_t * 1e3:.2f} ms (defaults {default * 1e3:.2f} ms, {default / best_t:.2f}x)"
         )
         timed = {**best, "seconds": round(best_t, 6), "density": args.density, "streamed": args.streamed}
-        found[tuning.table_key(device_name, tuning.TABLE_NAMES["addmm", ""], dtype, (M, K, N), (Ms, Ks))] = (
-            timed
-        )
         # (the transposed product runs the same loops: it takes these parameters, untimed, so no seconds)
         untimed = {k: v for k, v in timed.items() if k != "seconds"}
-        name = tuning.TABLE_NAMES["addmm", "transposed"]
-        found[tuning.table_key(device_name, name, dtype, (M, K, N), (Ms, Ks))] = untimed
+        for kind, entry in (("", timed), ("transposed", untimed)):
+            name = tuning.TABLE_NAMES["addmm", kind]
+            found[tuning.table_key(device_name, name, dtype, (M, K, N), (Ms, Ks))] = entry
 
 
 def _tune_break_even(
