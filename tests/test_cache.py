@@ -387,6 +387,26 @@ def test_prebuilt_key_argument_shares_the_entry_and_its_lifetime():
     assert ref() is None and f.cache_info().currsize == 0
 
 
+def test_sparse_argument_on_inference_indices_is_computed_never_cached():
+    """A BSR built outside inference mode on index tensors made inside it: no counter sees a write through
+    its accessors, so a cached value could go stale (it was served, 1 stale hit)."""
+    with torch.inference_mode():
+        crow, col = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    b = torch.sparse_bsr_tensor(crow, col, torch.randn(2, 2, 2), size=(4, 4))
+
+    @weak_lru_cache()
+    def pattern(t):
+        t = t.obj if isinstance(t, TensorKey) else t
+        return t.col_indices().tolist()
+
+    assert pattern(b) == [0, 1]
+    with torch.inference_mode():
+        b.col_indices().copy_(torch.tensor([1, 0]))
+    assert pattern(b) == [1, 0]
+    assert pattern(TensorKey(b)) == [1, 0]
+    assert pattern.cache_info().currsize == 0
+
+
 def test_evicted_values_die_outside_the_lock():
     """A value's destructor may run any code, even a call of the same cache: dropping values (eviction,
     cache_clear) must not deadlock."""

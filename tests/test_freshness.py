@@ -590,6 +590,24 @@ def test_check_mode_0_compares_nothing_and_shows_what_the_proof_prevents(backend
     _check(_transposed, w.bsr)
 
 
+@pytest.mark.parametrize("op", [_transposed, _mm])
+def test_check_mode_0_keeps_nothing_for_inference_index_tensors(op, monkeypatch):
+    """Index tensors made under inference mode have no version counter, even in a BSR made outside it:
+    with nothing compared (mode 0, CUDA's default), nothing derived from them may be kept (the old
+    transposed plan was served: errors of 24)."""
+    monkeypatch.setenv("BSRKIT_BACKEND", "cpu")
+    monkeypatch.setenv("BSRKIT_CHECK_PLANS", "0")
+    w = _weight(_float_values())
+    with torch.inference_mode():
+        crow, col = w.bsr.crow_indices().clone(), w.bsr.col_indices().clone()
+    bsr = torch.sparse_bsr_tensor(crow, col, w.bsr.values(), size=w.bsr.shape)
+    _check(op, bsr)
+    _check(op, bsr)
+    with torch.inference_mode():
+        bsr.col_indices().copy_(torch.tensor(NEW_COL, dtype=col.dtype))
+    _check(op, bsr)
+
+
 @pytest.mark.triton
 def test_checked_mode_in_the_triton_interpreter(monkeypatch):
     """The Triton path with ``BSRKIT_CHECK_PLANS=1`` (what CUDA needs for the proof): the derived plans

@@ -24,7 +24,7 @@ __all__ = ["UNCACHEABLE", "Uncacheable", "make_key"]
 
 
 class Uncacheable(Exception):
-    """An argument whose in-place changes cannot be seen (an inference tensor: no version counter)."""
+    """An argument whose in-place changes cannot be seen (no version counter: see :func:`_tensor_key`)."""
 
 
 UNCACHEABLE: Any = object()
@@ -37,7 +37,7 @@ def _given_key(key: TensorKey, name: Any, keys: list[TensorKey], version: list[i
     current = key.current_version()
     if t is None or current is None:
         raise ValueError(f"weak_lru_cache: argument {_describe(name)} is the TensorKey of a dead tensor")
-    if t.is_inference():
+    if not current:
         raise Uncacheable
     keys.append(key)
     version.extend(current)
@@ -47,8 +47,6 @@ def _given_key(key: TensorKey, name: Any, keys: list[TensorKey], version: list[i
 def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) -> Any:
     """``value`` as a key component. ``name`` (an index or keyword) only serves the error message."""
     if isinstance(value, torch.Tensor):
-        if value.is_inference():
-            raise Uncacheable
         k = _tensor_key(value, name)
         keys.append(k)
         version.extend(k.version)
@@ -107,11 +105,15 @@ def _other_part(value: Any) -> Any:
 
 def _tensor_key(t: torch.Tensor, name: Any) -> TensorKey:
     """``TensorKey(t)``; a tensor it cannot key (a COO, nested or mkldnn tensor) is a ``TypeError`` naming
-    the argument."""
+    the argument. ``Uncacheable`` where the key records no version counter: an inference tensor, or a
+    sparse one on inference index tensors (an in-place change through it could not be seen)."""
     try:
-        return TensorKey(t)
+        key = TensorKey(t)
     except (TypeError, RuntimeError) as exc:
         raise TypeError(f"weak_lru_cache: argument {_describe(name)}: {exc}") from None
+    if not key.version:
+        raise Uncacheable
+    return key
 
 
 def _describe(name: Any) -> str:
@@ -130,13 +132,14 @@ _KWARGS_MARK = object()
 def make_key(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Hashable, list[TensorKey], tuple[int, ...]]:
-    """(key, the TensorKeys in it, their versions); the key is ``UNCACHEABLE`` for inference tensors."""
+    """(key, the TensorKeys in it, their versions); the key is ``UNCACHEABLE`` for tensors without a
+    version counter (see :func:`_tensor_key`)."""
     keys: list[TensorKey] = []
     version: list[int] = []
     parts: list[Any] = []
     try:
         for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and not a.is_inference():  # common cases first
+            if isinstance(a, torch.Tensor):  # common cases first
                 k = _tensor_key(a, i)
                 keys.append(k)
                 version += k.version

@@ -86,6 +86,8 @@ class Operand(NamedTuple):
                 "one (torch cannot view them from it): build it inside torch.inference_mode() too, or "
                 "from tensors made outside"
             ) from None
+        if crow.is_inference() or col.is_inference():
+            version = None  # (no counter sees a write through them: its kept operand could go stale)
         if values.dtype != bsr.dtype:
             # (a member given another dtype: `.data =` or module.half() on the tensor it was built from;
             # the kernels would read its bytes as the tensor's dtype, past their end)
