@@ -3,13 +3,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-# Tests never read or write the user's tuning table.
-os.environ["BSRKIT_TUNING_TABLE"] = str(Path(tempfile.mkdtemp(prefix="bsrkit-tests-")) / "tuning.json")
+# Tests never read or write the user's tuning table; the directory goes when pytest exits (its finalizer).
+_TUNING_DIR = tempfile.TemporaryDirectory(prefix="bsrkit-tests-")
+os.environ["BSRKIT_TUNING_TABLE"] = str(Path(_TUNING_DIR.name) / "tuning.json")
 # Triton kernels run on CPU tensors in Triton's interpreter; it must be chosen before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch
+import torch  # noqa: E402
 
 # Every sparse tensor a test builds is validated (torch otherwise warns that checks are off); the
 # library's own constructions opt out explicitly, since their indices come from a validated tensor.
