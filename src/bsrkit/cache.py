@@ -14,7 +14,8 @@ the tensor it was computed from is gone. :func:`weak_lru_cache` fixes both:
 * an in-place change of a tensor argument through it (its version counter moved) is a miss, and the
   entry is recomputed and replaced; with ``verify_contents=True`` so is any change of the data, whatever
   wrote it (a hit compares a copy: see :mod:`bsrkit.freshness` and :func:`weak_lru_cache`);
-* inference tensors have no version counter, so a call with one is computed and not cached.
+* inference tensors have no version counter, so a call with one (or with a sparse tensor built on inference
+  index tensors) is computed and not cached.
 
 Interrupts. A ``KeyboardInterrupt`` (or any exception a signal handler raises) can arrive between any two
 bytecodes of the main thread, and weakref callbacks run wherever a reference count reaches zero, inside
