@@ -472,8 +472,9 @@ def weak_lru_cache(
         indices, which is what its key names) and compare it on every hit (see
         :mod:`bsrkit.freshness`). The copy's bytes are not counted in ``maxbytes``. The function then
         reads that copy, never the arguments' memory: it receives, for each tensor argument (or
-        :class:`TensorKey`), a tensor of the same metadata whose data is the copy (a sparse compressed
-        tensor: its indices; its values hold no memory and must not be read). The copies do not require
+        :class:`TensorKey`), a tensor of the same shape, strides, dtype, device and values whose data
+        is the copy (its storage offset and storage size are the copy's own: 0 and the copied span; a
+        sparse compressed tensor: its indices; its values hold no memory and must not be read). The copies do not require
         grad (a cached value cannot carry a graph: see below).
     pass_snapshot:
         With ``verify_contents``: also pass the :class:`~bsrkit.freshness.Snapshot` the value is derived
