@@ -95,6 +95,7 @@ def test_forced_provider_that_is_missing_warns_and_disables(monkeypatch):
         blas._provider.cache_clear()
 
 
+@pytest.mark.slow  # (about a minute: the product suite again, in a child process on scipy's BLAS)
 def test_product_suite_on_the_scipy_blas():
     pytest.importorskip("scipy.linalg.cython_blas")
     env = {"BSRKIT_BLAS": "scipy", "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}

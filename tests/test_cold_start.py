@@ -52,6 +52,7 @@ def _env(cache_dir: Path, **extra: str) -> dict[str, str]:
     return {"NUMBA_CACHE_DIR": str(cache_dir), **extra}
 
 
+@pytest.mark.slow  # (about a minute: two processes compile every kernel from an empty cache)
 def test_first_processes_compile_concurrently_and_later_ones_load(tmp_path):
     """Two processes start together on an empty cache (both compile, or one loads what the other
     wrote: each entry is renamed into place whole); a third then loads both kernels."""
