@@ -474,8 +474,8 @@ def weak_lru_cache(
         reads that copy, never the arguments' memory: it receives, for each tensor argument (or
         :class:`TensorKey`), a tensor of the same shape, strides, dtype, device and values whose data
         is the copy (its storage offset and storage size are the copy's own: 0 and the copied span; a
-        sparse compressed tensor: its indices; its values hold no memory and must not be read). The copies do not require
-        grad (a cached value cannot carry a graph: see below).
+        sparse compressed tensor: its indices; its values hold no memory and must not be read). The
+        copies do not require grad (a cached value cannot carry a graph: see below).
     pass_snapshot:
         With ``verify_contents``: also pass the :class:`~bsrkit.freshness.Snapshot` the value is derived
         from, as the keyword ``snapshot`` (for a value that proves itself later, like a ``Pattern``).
