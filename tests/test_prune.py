@@ -278,6 +278,33 @@ def test_kept_block_count_rounds_half_up_alike_in_every_pruning():
     assert pruner.masks()["0"].sum() == 3
 
 
+@pytest.mark.parametrize(
+    "density,features,kept", [(fractions.Fraction(1, 6), (16, 48), 1), (np.float32(0.29), (80, 160), 15)]
+)
+def test_every_pruning_counts_a_fraction_and_a_numpy_float_exactly(density, features, kept):
+    """The entry points counted float(density) (a Fraction of 1/6 of 3 blocks kept none, np.float32(0.29)
+    of 50 kept 14); kept_blocks counts them exactly, and so must they."""
+    from bsrkit.sparsify import sparsify_
+
+    out_f, in_f = features
+    torch.manual_seed(0)
+    assert BSRLinear(in_f, out_f, 16, density=density).values.shape[0] == kept
+    assert BSRLinear.from_dense(nn.Linear(in_f, out_f), 16, density).values.shape[0] == kept
+    model = nn.Sequential(nn.Linear(in_f, out_f))
+    sparsify_(model, blocksize=16, density=density, force=True)
+    assert model[0].values.shape[0] == kept
+    model = nn.Sequential(nn.Linear(in_f, out_f))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pruner = GradualPruner(
+        model, opt, blocksize=16, target_density=density, start_step=0, end_step=1, every=1, sparse_below=None
+    )
+    model(torch.randn(2, in_f)).sum().backward()
+    opt.step()
+    pruner.step()
+    pruner.finalize()
+    assert model[0].values.shape[0] == kept
+
+
 def test_argument_errors_name_the_argument():
     """Bad arguments to the layer, the schedule, drop_and_grow and the pruner's state are errors naming
     them (torch's errors escaped, or the call was taken: a density above 1, a step of 2.5)."""

@@ -26,6 +26,7 @@ from bsrkit import custom_ops, dispatch, shortcuts
 from bsrkit.validation import (
     ArgumentTypeError,
     CheckpointMismatchError,
+    Density,
     autocast_inputs,
     check_blocksize,
     check_density,
@@ -149,7 +150,7 @@ class BSRLinear(nn.Module):
         blocksize: int | tuple[int, int],
         bias: bool = True,
         *,
-        density: float = 1.0,
+        density: Density = 1.0,
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -208,7 +209,7 @@ class BSRLinear(nn.Module):
                 self.bias.uniform_(-bound, bound, generator=generator)
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, blocksize: int | tuple[int, int], density: float) -> BSRLinear:
+    def from_dense(cls, linear: nn.Linear, blocksize: int | tuple[int, int], density: Density) -> BSRLinear:
         """Prune ``linear`` to the ``kept_blocks(density, blocks)`` blocks of largest Frobenius norm (the
         count rounded half up)."""
         if not isinstance(linear, nn.Linear):  # (a Conv1D's weight is (in, out): it would be read transposed)

@@ -68,6 +68,7 @@ from bsrkit.sparsify import (
     selector,
 )
 from bsrkit.validation import (
+    Density,
     check_blocksize,
     check_density,
     check_size,
@@ -79,7 +80,7 @@ from bsrkit.validation import (
 __all__ = ["GradualPruner", "RigL", "cubic_density"]
 
 
-def cubic_density(step: int, start_step: int, end_step: int, target_density: float) -> float:
+def cubic_density(step: int, start_step: int, end_step: int, target_density: Density) -> Density:
     """:math:`d_t` of the module docstring: 1 before ``start_step``, ``target_density`` from ``end_step``."""
     for name, value in (("step", step), ("start_step", start_step), ("end_step", end_step)):
         check_size("cubic_density", name, value)
@@ -181,7 +182,7 @@ class GradualPruner:
         optimizer: torch.optim.Optimizer,
         *,
         blocksize: int | tuple[int, int],
-        target_density: float,
+        target_density: Density,
         start_step: int,
         end_step: int,
         every: int,
@@ -229,7 +230,7 @@ class GradualPruner:
             raise TypeError(f"{op}: expected regrow to be a bsrkit.regrow.RigL or None, got {regrow!r}")
         self.model, self.optimizer = model, optimizer
         self.blocksize = (bo, bi)
-        self.target_density, self.criterion = float(target_density), criterion
+        self.target_density, self.criterion = target_density, criterion
         self.start_step, self.end_step, self.every = start_step, end_step, every
         self.regrow = regrow
         self.steps = 0
@@ -311,7 +312,7 @@ class GradualPruner:
 
     # -- the schedule ------------------------------------------------------------------------------------
 
-    def density_at(self, step: int) -> float:
+    def density_at(self, step: int) -> Density:
         """The scheduled density after ``step`` steps: it changes only at the pruning steps
         ``start_step + k * every`` (and ``end_step``)."""
         check_size("GradualPruner.density_at", "step", step)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bsrkit.validation import ArgumentTypeError, check_density, type_name
+from bsrkit.validation import ArgumentTypeError, Density, check_density, type_name
 
 __all__ = ["DenseGradient", "GradientRecord", "RigL", "drop_and_grow"]
 
@@ -97,7 +97,7 @@ class RigL:
 
 
 def drop_and_grow(
-    mask: torch.Tensor, magnitude: torch.Tensor, growth: torch.Tensor, fraction: float
+    mask: torch.Tensor, magnitude: torch.Tensor, growth: torch.Tensor, fraction: Density
 ) -> torch.Tensor:
     """The pattern after one update of ``mask`` (bool, kept blocks): the ``round(fraction * kept)`` kept
     blocks of smallest ``magnitude`` dropped, as many blocks outside ``mask`` of largest ``growth`` grown

@@ -27,7 +27,7 @@ from torch import nn
 from bsrkit.break_even import break_even_density
 from bsrkit.nn import BSRLinear
 from bsrkit.places import module_places, put
-from bsrkit.validation import check_blocksize, check_density, type_name
+from bsrkit.validation import Density, check_blocksize, check_density, type_name
 
 __all__ = [
     "LayerReport",
@@ -296,7 +296,7 @@ def sparsify_(
     model: nn.Module,
     *,
     blocksize: int | tuple[int, int],
-    density: float,
+    density: Density,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     criterion: str = "block_norm",
     force: bool = False,

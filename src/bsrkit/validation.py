@@ -22,6 +22,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "ArgumentTypeError",
     "CheckpointMismatchError",
+    "Density",
     "MixedDtypeError",
     "autocast_inputs",
     "broadcast_batch",
@@ -351,7 +352,11 @@ def is_density(value: Any) -> TypeGuard[float]:
     return _is_real(value) and 0 <= value <= 1
 
 
-def kept_blocks(density: float, blocks: int) -> int:
+# A density or fraction as the checks return it: a Fraction kept exact (see check_density).
+Density = float | fractions.Fraction
+
+
+def kept_blocks(density: Density, blocks: int) -> int:
     """How many of ``blocks`` a pruning to ``density`` keeps: ``density * blocks`` rounded half up, the one
     count ``BSRLinear``, ``sparsify_``, ``GradualPruner`` and ``bsrkit tune`` share. The product is taken
     of the decimal the density prints as (0.29 of 50 blocks is 14.5: 15 kept, where the float product
@@ -363,12 +368,16 @@ def kept_blocks(density: float, blocks: int) -> int:
     return math.floor(exact * blocks + fractions.Fraction(1, 2))
 
 
-def check_density(op: str, density: Any, name: str = "density") -> float:
-    """:func:`is_density`, or the error naming ``name``: a wrong type, or a value outside [0, 1]."""
+def check_density(op: str, density: Any, name: str = "density") -> Density:
+    """:func:`is_density`, or the error naming ``name``: a wrong type, or a value outside [0, 1]. Returns
+    it as :func:`kept_blocks` counts it: a ``Fraction`` exactly, numpy's floats as the decimal they print
+    as (``float(np.float32(0.29))`` is 0.28999999165534973: 14 of 50 blocks, not 15), others as floats."""
     check_scalar(op, name, density)
     if not is_density(density):
         raise ValueError(f"{op}(): expected {name} in [0, 1], got {density!r}")
-    return float(density)
+    if isinstance(density, numbers.Rational) and not isinstance(density, int):
+        return fractions.Fraction(density)
+    return float(str(density)) if isinstance(density, np.floating) else float(density)
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
