@@ -17,5 +17,15 @@ dense_w = torch.randn(128, 128) * mask.repeat_interleave(16, 1)
 bsr = dense_w.to_sparse_bsr((16, 16))
 x = torch.randn(128, 40)
 reference.assert_close(bsrkit.bsr_dense_mm(bsr, x), reference.bsr_dense_mm(bsr, x), k=128)
+# A sparsified model's checkpoint round trip, with only what the wheel's metadata installs (safetensors).
+model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+bsrkit.sparsify_(model, blocksize=16, density=0.25, force=True)
+bsrkit.save_sparse(model, "sparse.safetensors")
+loaded = bsrkit.load_sparse(
+    lambda: torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8)),
+    "sparse.safetensors",
+)
+h = torch.randn(4, 128)
+reference.assert_close(loaded(h), model(h), k=128)
 versions = f"bsrkit {bsrkit.__version__}, torch {torch.__version__}, python {sys.version.split()[0]}"
 print(f"wheel smoke test: {versions}, from {here}: OK")
