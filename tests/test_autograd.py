@@ -1,5 +1,6 @@
 """sampled_addmm, the transposed product, and gradients of the products."""
 
+import re
 import warnings
 
 import pytest
@@ -476,6 +477,47 @@ def test_forward_mode_ad_is_refused_on_repeated_calls_and_in_layers():
             with pytest.raises(NotImplementedError, match="forward-mode AD"):
                 call()
         assert layer(rows).shape == (3, 8)  # (no tangent: runs)
+
+
+def test_forward_mode_ad_in_a_trainable_layer_is_refused_by_name():
+    """On the gradient path the layer reached torch's autograd.Function first ("You must implement the
+    jvp function"), naming no op."""
+    import torch.autograd.forward_ad as forward_ad
+
+    from bsrkit.nn import BSRLinear
+
+    layer = BSRLinear(8, 8, 4, density=0.5, dtype=torch.float64)
+    rows = torch.randn(3, 8, dtype=torch.float64)
+    with forward_ad.dual_level(), pytest.raises(NotImplementedError, match="bsrkit: forward-mode AD"):
+        layer(forward_ad.make_dual(rows, torch.ones_like(rows)))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp", "jacrev"])
+def test_torch_func_transforms_are_refused_by_name(transform):
+    """torch's sparse tensors cannot enter torch.func's transforms: each op failed with whichever error
+    torch reached first ("Sparse BSR tensors do not have strides", a data pointer, setup_context)."""
+    from bsrkit.nn import BSRLinear
+
+    bsr = random_bsr((8, 8), (2, 2), 0.5, dtype=torch.float64)
+    layer = BSRLinear(8, 8, 4, density=0.5, dtype=torch.float64)
+    x = torch.randn(8, 8, dtype=torch.float64)
+    calls = {
+        "bsr_dense_mm": lambda p: bsrkit.bsr_dense_mm(bsr, p),
+        "sampled_addmm": lambda p: bsrkit.sampled_addmm(bsr, p, x).values(),
+        "causal_mask": lambda p: bsrkit.scaled_dot_product_attention(p, p, p, bsrkit.causal_mask(8, 2)),
+        "nn.BSRLinear": layer,
+    }
+    apply = {
+        "grad": lambda f: torch.func.grad(lambda p: f(p).sum())(x),
+        "vmap": lambda f: torch.func.vmap(f)(x[None]),
+        "jvp": lambda f: torch.func.jvp(f, (x,), (torch.ones_like(x),)),
+        "jacrev": lambda f: torch.func.jacrev(f)(x),
+    }[transform]
+    for name, f in calls.items():
+        refusal = rf"bsrkit\.{re.escape(name)}\(\): torch.func transforms"
+        with pytest.raises(NotImplementedError, match=refusal):
+            apply(f)
+    assert bsrkit.bsr_dense_mm(bsr, x).shape == (8, 8)  # (outside a transform: runs)
 
 
 def test_bsr_linear_trains_under_non_reentrant_activation_checkpointing():

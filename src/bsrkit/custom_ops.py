@@ -387,4 +387,6 @@ def differentiable_linear(
     backward refuses a pattern written since the forward: the traced op's cannot compare data)."""
     if torch.compiler.is_compiling() or x.is_meta:
         return linear(crow, col, values, x, bias, M, K, transposed)
+    if forward_ad._current_level >= 0:  # (before autograd.Function's own, which names no op)
+        refuse_tangents((x, values, bias))
     return EagerLinear.apply(crow, col, values, x, bias, M, K, transposed)

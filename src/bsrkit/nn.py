@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from bsrkit import custom_ops, dispatch, shortcuts
+from bsrkit.eager import refuse_transforms
 from bsrkit.validation import (
     ArgumentTypeError,
     CheckpointMismatchError,
@@ -278,6 +279,7 @@ class BSRLinear(nn.Module):
             bad = True
         if bad:
             self._refuse(x)
+        refuse_transforms("nn.BSRLinear")
         # (the tables Module.__getattr__ would search: 0.1 µs a read instead of 0.8, on every decode step;
         # the attribute where torch.nn.utils.prune or parametrize moved one out of them)
         params, buffers = self._parameters, self._buffers
