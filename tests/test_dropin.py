@@ -28,8 +28,56 @@ def test_torchs_names_are_bsrkits():
         bsrkit._scaled_dot_product_attention(q, q, q, mask),
         bsrkit.scaled_dot_product_attention(q, q, q, mask),
     )
-    assert bsrkit.TensorAsKey(bsr) == bsrkit.TensorAsKey(bsr)
+    assert bsrkit.TensorAsKey(bsr) == bsrkit.TensorAsKey(obj=bsr) == bsrkit.TensorKey(bsr)
+    assert bsrkit.TensorAsKey(obj=bsr).obj is bsr
     assert bsrkit.scatter_mm_meta(32, 32, 32, 8, 8) == torch_ops.scatter_mm_meta(32, 32, 32, 8, 8)
+
+
+def _torch_parameters(name: str) -> list[tuple[str, str, str | None]]:
+    """(name, kind, default's source) of each parameter of torch's ``name``, read from its source (torch
+    defines most of them only where Triton runs on a GPU); a class's ``__init__`` without ``self``."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(torch_ops))
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == name)
+    if isinstance(node, ast.ClassDef):
+        node = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    a = node.args
+    positional = [(p.arg, "positional") for p in a.posonlyargs + a.args if p.arg != "self"]
+    defaults = [None] * (len(positional) - len(a.defaults)) + [ast.unparse(d) for d in a.defaults]
+    params = [(n, k, d) for (n, k), d in zip(positional, defaults, strict=True)]
+    if a.vararg:
+        params.append((a.vararg.arg, "*", None))
+    for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True):
+        params.append((p.arg, "keyword", None if d is None else ast.unparse(d)))
+    if a.kwarg:
+        params.append((a.kwarg.arg, "**", None))
+    return params
+
+
+def test_torchs_signatures_are_bsrkits():
+    """Each function's parameters as torch's (names, order, kinds, defaults): positional GROUP_SIZE was
+    refused by scatter_mm_meta, TensorAsKey(obj=...) by its keyword."""
+    import inspect
+
+    P = inspect.Parameter
+    kinds = {
+        P.POSITIONAL_ONLY: "positional", P.POSITIONAL_OR_KEYWORD: "positional", P.VAR_POSITIONAL: "*",
+        P.KEYWORD_ONLY: "keyword", P.VAR_KEYWORD: "**",
+    }  # fmt: skip
+    for name in (
+        "bsr_dense_mm", "bsr_dense_addmm", "_int_bsr_dense_addmm", "sampled_addmm", "bsr_softmax",
+        "bsr_scatter_mm", "bsr_scatter_mm_indices_data", "scatter_mm", "scatter_mm_meta",
+        "_scaled_dot_product_attention", "TensorAsKey",
+    ):  # fmt: skip
+        ours = [
+            (p.name, kinds[p.kind], None if p.default is p.empty else repr(p.default))
+            for p in inspect.signature(getattr(bsrkit, name)).parameters.values()
+        ]
+        assert ours == _torch_parameters(name), name
+    positional = (256, 256, 64, 16, 16, 2)  # (GROUP_SIZE=2)
+    assert bsrkit.scatter_mm_meta(*positional) == torch_ops.scatter_mm_meta(*positional)
 
 
 def test_scales_of_the_shapes_torch_views_are_taken():

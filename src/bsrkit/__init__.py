@@ -7,7 +7,7 @@ references: an entry lives exactly as long as the index memory it was computed f
 
 from bsrkit.attention import scaled_dot_product_attention
 from bsrkit.cache import CacheInfo, weak_lru_cache
-from bsrkit.keys import TensorKey
+from bsrkit.keys import TensorAsKey, TensorKey
 from bsrkit.masks import (
     block_local_mask,
     causal_mask,
@@ -31,9 +31,8 @@ from bsrkit.softmax import bsr_softmax
 __version__ = "0.2.0"
 
 # torch.sparse._triton_ops's names for the same things, so that switching stays a change of import (the
-# attention's semantics differ where README.md says; TensorKey is TensorAsKey for any dtype)
+# attention's semantics differ where README.md says)
 _scaled_dot_product_attention = scaled_dot_product_attention
-TensorAsKey = TensorKey
 
 
 __all__ = [

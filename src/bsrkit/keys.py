@@ -21,7 +21,7 @@ import torch
 
 from bsrkit.validation import type_name
 
-__all__ = ["SPARSE_COMPRESSED_LAYOUTS", "TensorKey"]
+__all__ = ["SPARSE_COMPRESSED_LAYOUTS", "TensorAsKey", "TensorKey"]
 
 SPARSE_COMPRESSED_LAYOUTS = frozenset(
     {torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
@@ -205,3 +205,9 @@ class TensorKey:
     def __repr__(self) -> str:
         state = "alive" if self.alive else "dead"
         return f"TensorKey({self._identity!r}, {state})"
+
+
+def TensorAsKey(obj: torch.Tensor) -> TensorKey:
+    """torch's ``TensorAsKey(obj)`` (``torch.sparse._triton_ops``), by its name and signature: the
+    :class:`TensorKey` of ``obj`` (any dtype; ``.obj`` as torch's)."""
+    return TensorKey(obj)

@@ -450,17 +450,34 @@ _SPLIT_N_BY_N = {16: 1, 32: 2, 64: 4, 128: 8, 256: 16, 512: 8, 1024: 16, 4096: 3
 _SCATTER_MM_KEYS = ("GROUP_SIZE", "TILE_M", "TILE_N", "SPLIT_N", "num_warps", "num_stages")
 
 
-def scatter_mm_meta(M: int, K: int, N: int, Ms: int, Ks: int, **meta_input: Any) -> dict[str, Any]:
+def scatter_mm_meta(
+    M: int,
+    K: int,
+    N: int,
+    Ms: int,
+    Ks: int,
+    GROUP_SIZE: int | None = None,
+    TILE_M: int | None = None,
+    TILE_N: int | None = None,
+    SPLIT_N: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     """The meta of the ``bsr_strided_mm*`` indices formats, equal to torch's ``scatter_mm_meta`` for the
-    same inputs: ``SPLIT_N`` (N is cut into SPLIT_N panels of ``Ns = N // SPLIT_N`` columns) and the
-    launch parameters of torch's Triton kernel (``TILE_M``, ``TILE_N``, ``GROUP_SIZE``, ``num_warps``,
-    ``num_stages``); other keywords pass through.
+    same inputs (and torch's signature): ``SPLIT_N`` (N is cut into SPLIT_N panels of ``Ns = N //
+    SPLIT_N`` columns) and the launch parameters of torch's Triton kernel (``TILE_M``, ``TILE_N``,
+    ``GROUP_SIZE``, ``num_warps``, ``num_stages``; None: chosen); other keywords pass through.
 
     One deviation: a default ``SPLIT_N`` that does not divide ``N`` (torch's result would be wrong) is
     replaced by their greatest common divisor. Torch also consults a per-GPU table on CUDA machines; that
     is not reproduced here.
     """
-    return _meta("scatter_mm_meta", M, K, N, Ms, Ks, meta_input)
+    given = dict(
+        GROUP_SIZE=GROUP_SIZE, TILE_M=TILE_M, TILE_N=TILE_N, SPLIT_N=SPLIT_N, num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    return _meta("scatter_mm_meta", M, K, N, Ms, Ks, {**extra, **given})
 
 
 def _meta(op: str, M: int, K: int, N: int, Ms: int, Ks: int, meta_input: dict[str, Any]) -> dict[str, Any]:
