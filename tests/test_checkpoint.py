@@ -766,8 +766,11 @@ def test_load_sparse_of_a_path_naming_nothing_is_file_not_found(tmp_path):
         FileNotFoundError, match=r"load_sparse\(\): expected path to name a file, got .*absent"
     ):
         load_sparse(model, tmp_path / "absent.safetensors")
-    with pytest.raises(FileNotFoundError, match="absent"):
+    # (read_sparse_metadata's own errors name it: they said load_sparse())
+    with pytest.raises(FileNotFoundError, match=r"^read_sparse_metadata\(\): .*absent"):
         read_sparse_metadata(tmp_path / "absent.safetensors")
+    with pytest.raises(ValueError, match=r"^read_sparse_metadata\(\): .* got the directory"):
+        read_sparse_metadata(tmp_path)
 
 
 def test_save_sparse_to_a_directory_names_it(tmp_path):

@@ -157,27 +157,32 @@ def read_sparse_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The record :func:`save_sparse` wrote in ``path``'s header: ``{"format": 1, "layers": {fqn: {...}},
     "tied": {name: kept name}}``. Raises ``ValueError`` for a file that is not a safetensors file or that
     bsrkit did not write, ``FileNotFoundError`` (as ``open`` and ``torch.load``) for a path naming nothing."""
+    return _read_record(path, "read_sparse_metadata")
+
+
+def _read_record(path: str | os.PathLike[str], op: str) -> dict[str, Any]:
+    """:func:`read_sparse_metadata`, its errors naming ``op``."""
     from safetensors import SafetensorError, safe_open
 
     if not os.path.exists(path):
         raise FileNotFoundError(
-            f"load_sparse(): expected path to name a file, got {os.fspath(path)!r}: no such file"
+            f"{op}(): expected path to name a file, got {os.fspath(path)!r}: no such file"
         )
     if os.path.isdir(path):  # (safetensors' reason: "No such device")
         raise ValueError(
-            f"load_sparse(): expected path to be a safetensors file, got the directory {os.fspath(path)!r}"
+            f"{op}(): expected path to be a safetensors file, got the directory {os.fspath(path)!r}"
         )
     try:
         with safe_open(os.fspath(path), framework="pt") as f:
             header = f.metadata() or {}
     except (SafetensorError, OSError) as exc:  # (OSError: a directory, an unreadable file)
         raise ValueError(
-            f"load_sparse(): expected path to be a safetensors file, got {os.fspath(path)!r}: {exc}"
+            f"{op}(): expected path to be a safetensors file, got {os.fspath(path)!r}: {exc}"
         ) from exc
     text = header.get(METADATA_KEY)
     if text is None:
         raise ValueError(
-            f"load_sparse(): expected a bsrkit checkpoint (written by save_sparse, with {METADATA_KEY!r} in "
+            f"{op}(): expected a bsrkit checkpoint (written by save_sparse, with {METADATA_KEY!r} in "
             f"its metadata), got a safetensors file with metadata keys {sorted(header)} at "
             f"{os.fspath(path)!r}"
         )
@@ -185,12 +190,12 @@ def read_sparse_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(
-            f"load_sparse(): malformed {METADATA_KEY!r} metadata in {os.fspath(path)!r}: {exc}"
+            f"{op}(): malformed {METADATA_KEY!r} metadata in {os.fspath(path)!r}: {exc}"
         ) from exc
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         got = record.get("format") if isinstance(record, dict) else record
-        raise ValueError(f"load_sparse(): expected bsrkit checkpoint format {FORMAT}, got {got!r}")
-    malformed = f"load_sparse(): malformed {METADATA_KEY!r} metadata in {os.fspath(path)!r}:"
+        raise ValueError(f"{op}(): expected bsrkit checkpoint format {FORMAT}, got {got!r}")
+    malformed = f"{op}(): malformed {METADATA_KEY!r} metadata in {os.fspath(path)!r}:"
     layers = record.get("layers")
     for fqn, spec in layers.items() if isinstance(layers, dict) else [("layers", layers)]:
         lacking = sorted(_LAYER_KEYS - set(spec)) if isinstance(spec, dict) else sorted(_LAYER_KEYS)
@@ -388,7 +393,7 @@ def load_sparse(
     dtype = check_floating_dtype("load_sparse", dtype)
     if dtype is not None and dtype not in SUPPORTED_DTYPES:  # (float8 would load, then never run)
         raise ValueError(f"load_sparse(): expected dtype in {SUPPORTED_DTYPES} or None, got {dtype}")
-    record = read_sparse_metadata(path)
+    record = _read_record(path, "load_sparse")
     device = check_data_device("load_sparse", device)
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
