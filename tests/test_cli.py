@@ -1,6 +1,7 @@
 import functools
 import json
 import os
+import sys
 import warnings
 
 import pytest
@@ -56,6 +57,16 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     assert len(err.splitlines()) == 1
     if argv[0] in ("demo", "bench", "tune"):  # (the subcommand's errors name it, after parsing too)
         assert err.startswith(f"bsrkit {argv[0]}: error:"), err
+
+
+def test_bench_plot_without_matplotlib_is_refused_before_the_grid(tmp_path, monkeypatch, capsys):
+    """It failed with ModuleNotFoundError after the whole grid had run."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (import matplotlib: ImportError)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--sizes", "64", "--blocksizes", "16", "--plot", str(tmp_path / "p.png")])
+    assert exc.value.code == 2
+    out = capsys.readouterr()
+    assert "--plot needs matplotlib: pip install 'bsrkit[plot]'" in out.err and out.out == ""
 
 
 def test_help_for_each_command(capsys):
@@ -127,13 +138,15 @@ def test_tune_writes_a_table_that_products_use(tmp_path, monkeypatch):
 
 
 def test_tune_streamed_times_copies_that_span_the_cache_and_records_it(tmp_path, monkeypatch, capsys):
-    from bsrkit import benchmarking, cli
+    from bsrkit import benchmarking, tune_command
 
     monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "t.json"))
     monkeypatch.setattr(benchmarking, "last_level_cache_bytes", lambda: 64 << 10)  # 4x: 256 KiB
     seen = []
-    real = cli._tune_shape
-    monkeypatch.setattr(cli, "_tune_shape", lambda bsrs, *a: seen.append(list(bsrs)) or real(bsrs, *a))
+    real = tune_command._tune_shape
+    monkeypatch.setattr(
+        tune_command, "_tune_shape", lambda bsrs, *a: seen.append(list(bsrs)) or real(bsrs, *a)
+    )
     argv = ["tune", "--shapes", "128x128x1", "--blocksizes", "16", "--density", "0.5", "--streamed"]
     assert main([*argv, "--panels", "64,128,256", "--threads", "1,2"]) == 0
     (bsrs,) = seen
@@ -155,11 +168,11 @@ def test_tune_streamed_times_copies_that_span_the_cache_and_records_it(tmp_path,
 
 
 def test_tune_candidates_clamp_panels_to_the_columns():
-    from bsrkit import cli
+    from bsrkit import tune_command
 
-    args = cli.argparse.Namespace(backend="cpu", threads=[1, 2], panels=[64, 128, 256])
-    assert cli._candidates(args, 1, 32) == [{"panel": 1, "nthreads": 1}, {"panel": 1, "nthreads": 2}]
-    assert len(cli._candidates(args, 512, 32)) == 6
+    args = tune_command.argparse.Namespace(backend="cpu", threads=[1, 2], panels=[64, 128, 256])
+    assert tune_command._candidates(args, 1, 32) == [{"panel": 1, "nthreads": 1}, {"panel": 1, "nthreads": 2}]
+    assert len(tune_command._candidates(args, 512, 32)) == 6
 
 
 def test_tune_rectangular_shape_is_found_by_the_product(tmp_path, monkeypatch):
@@ -389,12 +402,14 @@ def test_demo_on_one_thread_says_its_kernel_came_from_the_disk_cache():
 
 def test_tune_times_a_weight_with_blocks_even_on_a_tiny_grid(tmp_path, monkeypatch):
     """A random draw at density 0.1 of one block stored none: tune timed an empty product."""
-    from bsrkit import cli
+    from bsrkit import tune_command
 
     monkeypatch.setenv(tuning.TABLE_ENV, str(tmp_path / "t.json"))
     seen = []
-    real = cli._tune_shape
-    monkeypatch.setattr(cli, "_tune_shape", lambda bsrs, *a: seen.append(bsrs[0]._nnz()) or real(bsrs, *a))
+    real = tune_command._tune_shape
+    monkeypatch.setattr(
+        tune_command, "_tune_shape", lambda bsrs, *a: seen.append(bsrs[0]._nnz()) or real(bsrs, *a)
+    )
     assert main(["tune", "--shapes", "16x16x1,64x64x4", "--blocksizes", "16", "--threads", "1"]) == 0
     assert seen == [1, 2]  # (at least one block; else 10% of 16, rounded)
 
@@ -438,11 +453,11 @@ def test_tune_runs_the_backend_it_tunes_whatever_is_forced(tmp_path, monkeypatch
 
 
 def test_ctrl_c_during_tune_keeps_the_shapes_that_finished(tmp_path, monkeypatch, capsys):
-    from bsrkit import cli
+    from bsrkit import tune_command
 
     table = tmp_path / "t.json"
     monkeypatch.setenv(tuning.TABLE_ENV, str(table))
-    real, calls = cli._tune_shape, []
+    real, calls = tune_command._tune_shape, []
 
     def interrupted_second(*args):
         calls.append(1)
@@ -450,7 +465,7 @@ def test_ctrl_c_during_tune_keeps_the_shapes_that_finished(tmp_path, monkeypatch
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(cli, "_tune_shape", interrupted_second)
+    monkeypatch.setattr(tune_command, "_tune_shape", interrupted_second)
     argv = ["tune", "--shapes", "8x8x8,16x16x16", "--blocksizes", "4", "--panels", "8", "--threads", "1"]
     assert main([*argv, "--repeats", "1"]) == 130
     assert len(json.loads(table.read_text())["entries"]) == 2  # (the first shape, both orientations)

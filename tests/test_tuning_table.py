@@ -116,7 +116,7 @@ def test_unwritable_table_fails_before_tuning(tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     timed = []
-    monkeypatch.setattr("bsrkit.cli._tune_shape", lambda *a: timed.append(a))
+    monkeypatch.setattr("bsrkit.tune_command._tune_shape", lambda *a: timed.append(a))
     argv = ["tune", "--sizes", "64", "--blocksizes", "16", "--table", str(blocker / "t.json")]
     assert main(argv) == 2
     assert "cannot write the tuning table" in capsys.readouterr().err
