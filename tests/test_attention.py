@@ -349,6 +349,22 @@ def test_a_float_mask_row_of_minus_inf_only_gives_zero_as_torch(backend):
     torch.testing.assert_close(expected, theirs)
 
 
+def test_a_row_whose_scores_are_all_minus_inf_gives_zero_as_torch(backend):
+    """An infinite query entry makes every allowed score of its row -inf: 0, as torch's safe softmax (the
+    reference gave NaN: it counted allowed entries, not finite scores)."""
+    q, k, v = torch.randn(16, 4), -torch.rand(16, 4) - 0.5, torch.randn(16, 3)
+    q[5] = 0.0
+    q[5, 0] = torch.inf  # (every key's first entry is negative: row 5's scores are all -inf)
+    k[:, 1:] = 0.0
+    mask = torch.ones(16, 16).to_sparse_bsr((8, 8))
+    got = bsrkit.scaled_dot_product_attention(q, k, v, mask)
+    expected = reference.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask.double())
+    theirs = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert (got[5] == 0).all() and (expected[5] == 0).all() and (theirs[5] == 0).all()
+    torch.testing.assert_close(expected, theirs)
+    torch.testing.assert_close(got.double(), expected, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize(
     "build,error,message",
     [

@@ -315,11 +315,12 @@ def scaled_dot_product_attention(
         allowed = allowed & (bias != -torch.inf)  # (a row of -inf only has nothing allowed: 0, as torch's)
     if is_causal:
         allowed = allowed & torch.ones(L, S, dtype=torch.bool).tril()
-    scores = (query @ key.mT) * scale + bias
-    # Rows with nothing allowed get finite scores before the softmax and weight 0 after it (a NaN in
+    scores = ((query @ key.mT) * scale + bias).masked_fill(~allowed, -torch.inf)
+    # Rows with nothing allowed, or whose allowed scores are all -inf (an infinite query or key entry),
+    # give 0, as torch's safe softmax: finite scores before the softmax and weight 0 after it (a NaN in
     # the unselected branch of a where would still poison the gradient).
-    nonempty = allowed.any(-1, keepdim=True)
-    scores = scores.masked_fill(~allowed, -torch.inf).masked_fill(~nonempty, 0.0)
+    nonempty = (scores != -torch.inf).any(-1, keepdim=True)
+    scores = scores.masked_fill(~nonempty, 0.0)
     weights = torch.softmax(scores, dim=-1) * nonempty
     if dropout_keep is not None:
         weights = torch.where(dropout_keep, weights / (1 - dropout_p), 0.0)
