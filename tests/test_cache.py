@@ -405,6 +405,10 @@ def test_sparse_argument_on_inference_indices_is_computed_never_cached():
     assert pattern(b) == [1, 0]
     assert pattern(TensorKey(b)) == [1, 0]
     assert pattern.cache_info().currsize == 0
+    with torch.inference_mode():  # (an inference tensor of a layout no key takes: computed as well)
+        coo = torch.eye(3).to_sparse()
+    count = weak_lru_cache()(lambda t: t._nnz())
+    assert count(coo) == 3 and count.cache_info().currsize == 0
 
 
 def test_evicted_values_die_outside_the_lock():

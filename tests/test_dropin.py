@@ -30,6 +30,14 @@ def test_torchs_names_are_bsrkits():
     )
     assert bsrkit.TensorAsKey(bsr) == bsrkit.TensorAsKey(obj=bsr) == bsrkit.TensorKey(bsr)
     assert bsrkit.TensorAsKey(obj=bsr).obj is bsr
+    # (a class, as torch's: its __eq__ asks isinstance; and a cache takes it as the tensor's key)
+    assert isinstance(bsrkit.TensorAsKey(bsr), bsrkit.TensorAsKey | bsrkit.TensorKey)
+
+    @bsrkit.weak_lru_cache()
+    def nnz(t):
+        return (t.obj if isinstance(t, bsrkit.TensorKey) else t)._nnz()
+
+    assert nnz(bsr) == nnz(bsrkit.TensorAsKey(bsr)) and nnz.cache_info().hits == 1
     assert bsrkit.scatter_mm_meta(32, 32, 32, 8, 8) == torch_ops.scatter_mm_meta(32, 32, 32, 8, 8)
 
 

@@ -249,7 +249,7 @@ def test_kept_block_count_rounds_half_up_alike_in_every_pruning():
     """density * blocks rounded half up, in BSRLinear, from_dense, sparsify_ and GradualPruner alike
     (Python's round, half to even, kept none of one block at 0.5, and 2 of 5)."""
     from bsrkit.sparsify import sparsify_
-    from bsrkit.validation import kept_blocks
+    from bsrkit.validation import check_density, kept_blocks
 
     assert [kept_blocks(0.5, n) for n in (1, 2, 3, 5)] == [1, 1, 2, 3]
     assert kept_blocks(0.1, 30) == 3 and kept_blocks(0.0, 7) == 0 and kept_blocks(1.0, 7) == 7
@@ -261,6 +261,9 @@ def test_kept_block_count_rounds_half_up_alike_in_every_pruning():
         and kept_blocks(0.49999999999999994, 1) == 0
     )
     assert kept_blocks(np.float32(0.29), 50) == 15 and kept_blocks(fractions.Fraction(1, 6), 3) == 1
+    # (the checks hand the entry points what kept_blocks counts: numpy's long double prints 0.2899...)
+    for d in (np.float32(0.29), np.longdouble(0.29), fractions.Fraction(1, 6), 0.29, np.int64(1)):
+        assert kept_blocks(check_density("t", d), 50) == kept_blocks(d, 50)
     torch.manual_seed(0)
     linear = nn.Linear(40, 8)  # 5 blocks of 8 x 8
     assert BSRLinear(40, 8, 8, density=0.5).values.shape[0] == 3
@@ -303,6 +306,9 @@ def test_every_pruning_counts_a_fraction_and_a_numpy_float_exactly(density, feat
     pruner.step()
     pruner.finalize()
     assert model[0].values.shape[0] == kept
+    # (what the schedule reports stays a float: formatting, json and torch.tensor take it)
+    assert type(pruner.target_density) is float and type(pruner.density_at(1)) is float
+    assert type(pruner.density_at(0)) is float
 
 
 def test_argument_errors_name_the_argument():

@@ -53,7 +53,7 @@ def _key_part(value: Any, name: Any, keys: list[TensorKey], version: list[int]) 
         return k
     if type(value) in _SCALARS:
         return _scalar_part(value)
-    if type(value) is TensorKey:
+    if isinstance(value, TensorKey):  # (TensorAsKey too)
         return _given_key(value, name, keys, version)
     if isinstance(value, tuple):
         parts = tuple(_key_part(v, (name, i), keys, version) for i, v in enumerate(value))
@@ -110,6 +110,8 @@ def _tensor_key(t: torch.Tensor, name: Any) -> TensorKey:
     try:
         key = TensorKey(t)
     except (TypeError, RuntimeError) as exc:
+        if t.is_inference():
+            raise Uncacheable from None  # (computed, not cached, as every inference tensor: a COO one too)
         raise TypeError(f"weak_lru_cache: argument {_describe(name)}: {exc}") from None
     if not key.version:
         raise Uncacheable

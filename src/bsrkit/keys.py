@@ -207,7 +207,11 @@ class TensorKey:
         return f"TensorKey({self._identity!r}, {state})"
 
 
-def TensorAsKey(obj: torch.Tensor) -> TensorKey:
-    """torch's ``TensorAsKey(obj)`` (``torch.sparse._triton_ops``), by its name and signature: the
-    :class:`TensorKey` of ``obj`` (any dtype; ``.obj`` as torch's)."""
-    return TensorKey(obj)
+class TensorAsKey(TensorKey):
+    """torch's ``TensorAsKey(obj)`` (``torch.sparse._triton_ops``), by its name and signature: a
+    :class:`TensorKey` of ``obj`` (any dtype; ``.obj`` as torch's), equal to ``TensorKey(obj)``."""
+
+    __slots__ = ()
+
+    def __init__(self, obj: torch.Tensor) -> None:
+        super().__init__(obj)

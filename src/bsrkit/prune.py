@@ -92,7 +92,8 @@ def cubic_density(step: int, start_step: int, end_step: int, target_density: Den
     if step >= end_step:
         return target_density
     progress = (step - start_step) / (end_step - start_step)
-    return target_density + (1 - target_density) * (1 - progress) ** 3
+    target = float(target_density)
+    return target + (1 - target) * (1 - progress) ** 3
 
 
 def _score_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -230,7 +231,10 @@ class GradualPruner:
             raise TypeError(f"{op}: expected regrow to be a bsrkit.regrow.RigL or None, got {regrow!r}")
         self.model, self.optimizer = model, optimizer
         self.blocksize = (bo, bi)
-        self.target_density, self.criterion = target_density, criterion
+        # (a float, as the schedule reports it; the final count takes the density as given: a Fraction
+        # exactly, see validation.kept_blocks)
+        self.target_density, self.criterion = float(target_density), criterion
+        self._exact_target = target_density
         self.start_step, self.end_step, self.every = start_step, end_step, every
         self.regrow = regrow
         self.steps = 0
@@ -312,7 +316,7 @@ class GradualPruner:
 
     # -- the schedule ------------------------------------------------------------------------------------
 
-    def density_at(self, step: int) -> Density:
+    def density_at(self, step: int) -> float:
         """The scheduled density after ``step`` steps: it changes only at the pruning steps
         ``start_step + k * every`` (and ``end_step``)."""
         check_size("GradualPruner.density_at", "step", step)
@@ -321,7 +325,7 @@ class GradualPruner:
         if step < self.start_step:
             return 1.0
         last = self.start_step + (step - self.start_step) // self.every * self.every
-        return cubic_density(last, self.start_step, self.end_step, self.target_density)
+        return float(cubic_density(last, self.start_step, self.end_step, self.target_density))
 
     def densities(self) -> dict[str, float]:
         """Each layer's current block density (kept blocks / blocks)."""
@@ -346,7 +350,7 @@ class GradualPruner:
         self.steps += 1
         if self.finalized:
             return
-        density = self.density_at(self.steps)
+        density = self._exact_target if self.steps >= self.end_step else self.density_at(self.steps)
         update = self.regrow is not None and self.regrow.due(self.steps)
         for layer in self._layers:
             weight = repattern.weight_of(layer.module)

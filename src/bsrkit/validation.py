@@ -352,8 +352,8 @@ def is_density(value: Any) -> TypeGuard[float]:
     return _is_real(value) and 0 <= value <= 1
 
 
-# A density or fraction as the checks return it: a Fraction kept exact (see check_density).
-Density = float | fractions.Fraction
+# A density or fraction as the checks return it: a Fraction or numpy float kept as given (check_density).
+Density = float | fractions.Fraction | np.floating[Any]
 
 
 def kept_blocks(density: Density, blocks: int) -> int:
@@ -370,14 +370,17 @@ def kept_blocks(density: Density, blocks: int) -> int:
 
 def check_density(op: str, density: Any, name: str = "density") -> Density:
     """:func:`is_density`, or the error naming ``name``: a wrong type, or a value outside [0, 1]. Returns
-    it as :func:`kept_blocks` counts it: a ``Fraction`` exactly, numpy's floats as the decimal they print
-    as (``float(np.float32(0.29))`` is 0.28999999165534973: 14 of 50 blocks, not 15), others as floats."""
+    what :func:`kept_blocks` counts exactly: a ``Fraction`` or a numpy float as given (``float`` would
+    change the count: ``np.float32(0.29)`` of 50 blocks is 15, its float 0.28999999165534973 14), any
+    other number as a float."""
     check_scalar(op, name, density)
     if not is_density(density):
         raise ValueError(f"{op}(): expected {name} in [0, 1], got {density!r}")
-    if isinstance(density, numbers.Rational) and not isinstance(density, int):
+    if isinstance(density, np.floating):
+        return density
+    if isinstance(density, numbers.Rational) and not isinstance(density, numbers.Integral):
         return fractions.Fraction(density)
-    return float(str(density)) if isinstance(density, np.floating) else float(density)
+    return float(density)
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
