@@ -85,7 +85,7 @@ STRESS = textwrap.dedent(
             info = fn.cache_info()
             live = [k for k in state.entries if all(tk.alive for tk in tensor_keys(k))]
             assert info.currsize == len(state.entries) == len(live), (name, info, len(live))
-            values = [e.cell[0] for e in state.entries.values()]  # every entry still has its value
+            values = [e.cell[0][0] for e in state.entries.values()]  # every entry still has its value
             assert info.nbytes == sum(nbytes_of(value_arrays(v)) for v in values), (name, info)
             assert info.nbytes == sum(e.nbytes for e in state.entries.values())
             assert all(not p.latch.locked() for p in state.inflight.values()), f"{name}: stuck in-flight"

@@ -80,21 +80,16 @@ class _DeathNotice(weakref.ref):
 
 
 class _Entry:
-    __slots__ = ("cell", "nbytes", "proof", "refs", "version")
+    __slots__ = ("cell", "nbytes", "refs", "version")
 
-    def __init__(
-        self,
-        cell: dict[int, Any],
-        version: tuple[int, ...],
-        nbytes: int,
-        refs: list[Any],
-        proof: Snapshot | None,
-    ) -> None:
-        self.cell = cell  # {0: value}; a weakref callback pops the value the moment a storage dies
+    def __init__(self, cell: dict[int, Any], version: tuple[int, ...], nbytes: int, refs: list[Any]) -> None:
+        # {0: (value, proof)}: the proof is the copy of the arguments' data the value was derived from
+        # (verify_contents; else None). A weakref callback pops both the moment a storage dies (the copy
+        # can be as large as the data: an attention mask's).
+        self.cell = cell
         self.version = version
         self.nbytes = nbytes
         self.refs = refs  # weakrefs with callbacks; they must live as long as the entry
-        self.proof = proof  # the arguments' data the value was derived from (verify_contents), or None
 
 
 class _InFlight:
@@ -195,10 +190,11 @@ class _CacheState:
                         self._sweep()
                     entry = self.entries.get(key)
                     if entry is not None and entry.version == version:  # the hot path
-                        value = entry.cell.get(0, _MISSING)
-                        if value is not _MISSING:
+                        held = entry.cell.get(0)
+                        if held is not None:
+                            value, proof = held
                             self.entries.move_to_end(key)
-                            if entry.proof is None:
+                            if proof is None:
                                 self.hits += 1
                                 return value
                             unproven = entry  # (the data is compared outside the lock; a hit once proven)
@@ -218,7 +214,7 @@ class _CacheState:
                             break
                 # (hits proven outside the lock are counted without it: plain counters, see info)
                 if unproven is not None:
-                    if unproven.proof is None or unproven.proof.unchanged():
+                    if proof.unchanged():
                         self.hits += 1
                         return value
                     # Derived from data that has changed since: not a hit. Drop the entry and look again.
@@ -226,7 +222,7 @@ class _CacheState:
                         self.stale += 1
                         if self.entries.get(key) is unproven:
                             del self.entries[key]
-                    del unproven, value  # (the stale value dies here, outside the lock)
+                    del unproven, value, held  # (the stale value dies here, outside the lock)
                     continue
                 if pending is None:  # (not reached: the lock's block returned, broke or set one)
                     continue
@@ -345,7 +341,7 @@ class _CacheState:
         if self.maxbytes is not None and nbytes > self.maxbytes:
             return  # larger than the whole budget: returned, never stored
 
-        cell = {0: value}
+        cell = {0: (value, proof)}
         drop = functools.partial(cell.pop, 0)  # called with the dead weakref: cell.pop(0, ref)
         refs: list[Any] = []
         seen: set[int] = set()
@@ -356,7 +352,7 @@ class _CacheState:
                 notice = _DeathNotice(a, self.dead.append)
                 notice.key = key
                 refs.append(notice)
-        entry = _Entry(cell, version, nbytes, refs, proof)
+        entry = _Entry(cell, version, nbytes, refs)
         with self.lock:
             if self.dead:
                 self._sweep()
@@ -372,8 +368,9 @@ class _CacheState:
                 self._sweep()
             entries = self.entries
             for e in entries.values():  # (a value may have grown since: a pattern's plans are built later)
-                if 0 in e.cell:
-                    e.nbytes = nbytes_of(value_arrays(e.cell[0]))
+                held = e.cell.get(0)
+                if held is not None:
+                    e.nbytes = nbytes_of(value_arrays(held[0]))
             return CacheInfo(
                 self.hits,
                 self.misses,
