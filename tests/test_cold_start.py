@@ -119,6 +119,19 @@ def test_cache_is_never_stale_even_with_the_same_size_and_mtime(tmp_path):
     assert _probe(tmp_path) == {"value": 8, "hits": 0, "misses": 1}
 
 
+def test_a_truncated_cache_index_is_a_miss_and_is_replaced(tmp_path):
+    """An index left empty (a crash, a full disk) made numba's save, after every miss, raise EOFError in
+    every later process until the file was deleted by hand."""
+    source = "from probe_jit import njit\n\n@njit()\ndef answer(x):\n    return x + 1\n"
+    assert _probe(tmp_path, source) == {"value": 2, "hits": 0, "misses": 1}
+    indexes = list((tmp_path / "cache").rglob("*.nbi"))
+    assert indexes
+    for index in indexes:
+        index.write_bytes(b"")
+    assert _probe(tmp_path) == {"value": 2, "hits": 0, "misses": 1}
+    assert _probe(tmp_path) == {"value": 2, "hits": 1, "misses": 0}  # (a fresh index was written)
+
+
 def test_no_writable_cache_location_compiles_in_memory(tmp_path, monkeypatch):
     """A read-only install with no writable cache directory: the functions compile in memory."""
     import numba

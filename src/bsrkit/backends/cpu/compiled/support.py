@@ -27,9 +27,11 @@ callers' normalisation are derived from it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
+import os
 import typing
 from pathlib import Path
 from typing import Annotated, Any
@@ -92,6 +94,17 @@ class QuickLoadCache(FunctionCache):
             return self._load_overload(sig, target_context)
         except Exception:
             return None
+
+    def save_overload(self, sig: Any, data: Any) -> None:
+        """numba's save, which reads the index first: an index left truncated or empty (a crash, a full
+        disk) raised there after every miss, in every process. It is replaced by a fresh one; a save that
+        still fails leaves the compiled code in memory only (the next process compiles again)."""
+        try:
+            super().save_overload(sig, data)
+        except Exception:
+            with contextlib.suppress(Exception):
+                os.unlink(self._cache_file._index_path)
+                super().save_overload(sig, data)
 
 
 def njit(**options: Any) -> Any:
