@@ -635,6 +635,19 @@ def test_the_copy_a_verified_entry_holds_dies_with_its_memory():
     del x
     assert snapshots() == before  # (no call of total since)
 
+    seen = []
+
+    @weak_lru_cache(maxsize=8, verify_contents=True)
+    def counted(t):
+        seen.append(snapshots())
+        return t.sum().clone()
+
+    x = torch.ones(1 << 16)
+    counted(x)
+    x.numpy()[:] = 2.0
+    assert counted(x).item() == 2 << 16
+    assert seen == [before + 1, before + 1]  # (the stale entry's copy is gone before the recompute)
+
 
 def test_verify_contents_hands_the_function_its_arguments_negative_and_conjugate_bits():
     """With verify_contents the function runs on the kept copy of its argument's bytes: it must read it

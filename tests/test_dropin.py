@@ -38,6 +38,15 @@ def test_torchs_names_are_bsrkits():
         return (t.obj if isinstance(t, bsrkit.TensorKey) else t)._nnz()
 
     assert nnz(bsr) == nnz(bsrkit.TensorAsKey(bsr)) and nnz.cache_info().hits == 1
+
+    @bsrkit.weak_lru_cache(verify_contents=True)
+    def total(t):
+        return (t.obj if isinstance(t, bsrkit.TensorKey) else t).sum().clone()
+
+    x = torch.ones(8)
+    assert total(bsrkit.TensorAsKey(x)).item() == 8
+    x.numpy()[:] = 2.0  # (a write no counter sees: the TensorAsKey's tensor was not copied, nor proven)
+    assert total(bsrkit.TensorAsKey(x)).item() == total(x).item() == 16
     assert bsrkit.scatter_mm_meta(32, 32, 32, 8, 8) == torch_ops.scatter_mm_meta(32, 32, 32, 8, 8)
 
 

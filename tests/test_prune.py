@@ -311,6 +311,37 @@ def test_every_pruning_counts_a_fraction_and_a_numpy_float_exactly(density, feat
     assert type(pruner.density_at(0)) is float
 
 
+def test_a_long_schedule_to_a_numpy_float_ends_at_its_count():
+    """The schedule ran on float(np.float32(0.29)), below 0.29: its last steps kept 14 of 50 blocks, and
+    pruning never regrows, so the final count (15) was never reached."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(80, 40))  # 5 x 10 blocks of 8 x 8
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pruner = GradualPruner(
+        model, opt, blocksize=8, target_density=np.float32(0.29), start_step=0, end_step=500, every=1,
+        sparse_below=None,
+    )  # fmt: skip
+    for _ in range(500):
+        pruner.step()
+    pruner.finalize()
+    assert model[0].values.shape[0] == 15
+
+
+def test_drop_and_grow_counts_a_numpy_half_fraction_as_its_decimal():
+    """A float16 fraction was multiplied in float16: one block fewer than 0.7 of 5001, and an overflow
+    (OverflowError) at 70000 kept blocks."""
+    from bsrkit.regrow import drop_and_grow
+
+    def swapped(fraction, kept, outside):
+        mask = torch.zeros(kept + outside, dtype=torch.bool)
+        mask[:kept] = True
+        score = torch.arange(kept + outside, dtype=torch.float32)
+        return int((drop_and_grow(mask, score, score, fraction) & ~mask).sum())
+
+    assert swapped(np.float16(0.7), 5001, 4000) == swapped(0.7, 5001, 4000) == 3501
+    assert swapped(np.float16(1.0), 70000, 70000) == 70000
+
+
 def test_argument_errors_name_the_argument():
     """Bad arguments to the layer, the schedule, drop_and_grow and the pruner's state are errors naming
     them (torch's errors escaped, or the call was taken: a density above 1, a step of 2.5)."""

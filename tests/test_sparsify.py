@@ -3,6 +3,7 @@ the same pruned weights."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -89,6 +90,10 @@ def test_dense_where_the_block_sparse_product_would_be_slower_unless_forced():
     summary = sparsify_(model, blocksize=8, density=min(1.0, limit + 0.01))
     assert isinstance(model[0], nn.Linear) and summary.swapped == 0
     assert "break-even" in summary.layers[0].reason and "dense (density" in str(summary)
+    # (a numpy density is named as the decimal given, not as its float: 0.28999999165534973)
+    assert limit <= 0.999
+    summary = sparsify_(model, blocksize=8, density=np.float32(0.999))
+    assert "dense (density 0.999 >= break-even" in str(summary)
     summary = sparsify_(model, blocksize=8, density=0.9, force=True)
     assert isinstance(model[0], BSRLinear) and summary.swapped == 1
 

@@ -222,7 +222,7 @@ class _CacheState:
                         self.stale += 1
                         if self.entries.get(key) is unproven:
                             del self.entries[key]
-                    del unproven, value, held  # (the stale value dies here, outside the lock)
+                    del unproven, value, held, proof  # (the stale value and copy die here, outside the lock)
                     continue
                 if pending is None:  # (not reached: the lock's block returned, broke or set one)
                     continue
@@ -394,7 +394,7 @@ def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     looking inside tuples and dicts (the arguments' tuple and keywords), in a fixed order."""
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if type(value) is TensorKey:
+    if isinstance(value, TensorKey):  # (TensorAsKey too)
         obj = value.obj
         if obj is None:  # (not reached: the caller holds the tensor)
             raise ValueError("weak_lru_cache: a TensorKey argument of a dead tensor")

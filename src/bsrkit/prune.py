@@ -72,6 +72,7 @@ from bsrkit.validation import (
     check_blocksize,
     check_density,
     check_size,
+    exact_density,
     is_density,
     kept_blocks,
     type_name,
@@ -233,7 +234,9 @@ class GradualPruner:
         self.blocksize = (bo, bi)
         # (a float, as the schedule reports it; the final count takes the density as given: a Fraction
         # exactly, see validation.kept_blocks)
-        self.target_density, self.criterion = float(target_density), criterion
+        # (the schedule reaches the float of the decimal given: np.float32(0.29)'s own float is below
+        # 0.29, and its last steps kept 14 of 50 blocks where the final count is 15; pruning never regrows)
+        self.target_density, self.criterion = float(exact_density(target_density)), criterion
         self._exact_target = target_density
         self.start_step, self.end_step, self.every = start_step, end_step, every
         self.regrow = regrow

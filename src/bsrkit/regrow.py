@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bsrkit.validation import ArgumentTypeError, Density, check_density, type_name
+from bsrkit.validation import ArgumentTypeError, Density, check_density, exact_density, type_name
 
 __all__ = ["DenseGradient", "GradientRecord", "RigL", "drop_and_grow"]
 
@@ -102,7 +102,8 @@ def drop_and_grow(
     """The pattern after one update of ``mask`` (bool, kept blocks): the ``round(fraction * kept)`` kept
     blocks of smallest ``magnitude`` dropped, as many blocks outside ``mask`` of largest ``growth`` grown
     (fewer when fewer are outside). Ties go to the lower block index (row-major)."""
-    fraction = check_density("drop_and_grow", fraction, "fraction")  # (above 1 it grew more than it dropped)
+    # (above 1 it grew more than it dropped; a float of the decimal given: a numpy half overflowed)
+    fraction = float(exact_density(check_density("drop_and_grow", fraction, "fraction")))
     for name, t in (("mask", mask), ("magnitude", magnitude), ("growth", growth)):
         if not isinstance(t, torch.Tensor):
             raise ArgumentTypeError(f"drop_and_grow(): expected {name} to be a tensor, got {type_name(t)}")

@@ -356,7 +356,7 @@ def sparsify_(
         weight: torch.Tensor = module.weight  # type: ignore[assignment]
         limit = break_even_density(weight.device, (bo, bi), weight.dtype)
         if not force and density >= limit:
-            reason = f"density {density} >= break-even {limit:.2f} on {module.weight.device.type}"
+            reason = f"density {density!s} >= break-even {limit:.2f} on {module.weight.device.type}"
             reports.append(LayerReport(fqn, features, None, reason))
             continue
         linear = module if isinstance(module, nn.Linear) else _as_linear(module)

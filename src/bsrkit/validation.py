@@ -42,6 +42,7 @@ __all__ = [
     "check_scalar",
     "check_size",
     "check_strided",
+    "exact_density",
     "indices_data_defect",
     "is_density",
     "mark_written",
@@ -359,13 +360,18 @@ Density = float | fractions.Fraction | np.floating[Any]
 def kept_blocks(density: Density, blocks: int) -> int:
     """How many of ``blocks`` a pruning to ``density`` keeps: ``density * blocks`` rounded half up, the one
     count ``BSRLinear``, ``sparsify_``, ``GradualPruner`` and ``bsrkit tune`` share. The product is taken
-    of the decimal the density prints as (0.29 of 50 blocks is 14.5: 15 kept, where the float product
-    14.499999999999998 rounds to 14); Python's ``round`` rounds half to even (0.5 of one block kept none)."""
-    if isinstance(density, numbers.Rational):  # (a Fraction or an int: exact already)
-        exact = fractions.Fraction(density)
-    else:  # (numpy's str is its shortest decimal, in its own precision: np.float32(0.29) prints 0.29)
-        exact = fractions.Fraction(str(density) if isinstance(density, np.floating) else repr(float(density)))
-    return math.floor(exact * blocks + fractions.Fraction(1, 2))
+    of the decimal the density prints as (:func:`exact_density`: 0.29 of 50 blocks is 14.5, 15 kept, where
+    the float product 14.499999999999998 rounds to 14); Python's ``round`` rounds half to even (0.5 of one
+    block kept none)."""
+    return math.floor(exact_density(density) * blocks + fractions.Fraction(1, 2))
+
+
+def exact_density(density: Density) -> fractions.Fraction:
+    """``density`` as the decimal it prints as: a ``Fraction`` or an int exactly, numpy's floats by their
+    shortest decimal in their own precision (``np.float32(0.29)`` prints 0.29), others by ``repr``."""
+    if isinstance(density, numbers.Rational):
+        return fractions.Fraction(density)
+    return fractions.Fraction(str(density) if isinstance(density, np.floating) else repr(float(density)))
 
 
 def check_density(op: str, density: Any, name: str = "density") -> Density:
