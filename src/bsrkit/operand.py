@@ -86,8 +86,6 @@ class Operand(NamedTuple):
                 "one (torch cannot view them from it): build it inside torch.inference_mode() too, or "
                 "from tensors made outside"
             ) from None
-        if crow.is_inference() or col.is_inference():
-            version = None  # (no counter sees a write through them: its kept operand could go stale)
         if values.dtype != bsr.dtype:
             # (a member given another dtype: `.data =` or module.half() on the tensor it was built from;
             # the kernels would read its bytes as the tensor's dtype, past their end)
@@ -99,7 +97,10 @@ class Operand(NamedTuple):
         if values.is_neg():  # (the kernels read memory: a negative view is read as its negation)
             version, values = None, values.resolve_neg()  # (a copy: not kept, resolved again next call)
         # The plans' cache key, from the members fetched here anyway (each accessor costs ~1 µs).
-        a = cls.parts(crow, col, values, M, K, TensorKey(bsr, members=(crow, col, values)), op, name)
+        key = TensorKey(bsr, members=(crow, col, values))
+        if not key.version:  # (inference index tensors: no counter sees a write, a kept operand goes stale)
+            version = None
+        a = cls.parts(crow, col, values, M, K, key, op, name)
         if version is not None:
             a = a._replace(calls={})
             shortcuts.keep_operand(bsr, version, a)

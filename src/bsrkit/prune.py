@@ -232,10 +232,9 @@ class GradualPruner:
             raise TypeError(f"{op}: expected regrow to be a bsrkit.regrow.RigL or None, got {regrow!r}")
         self.model, self.optimizer = model, optimizer
         self.blocksize = (bo, bi)
-        # (a float, as the schedule reports it; the final count takes the density as given: a Fraction
-        # exactly, see validation.kept_blocks)
-        # (the schedule reaches the float of the decimal given: np.float32(0.29)'s own float is below
-        # 0.29, and its last steps kept 14 of 50 blocks where the final count is 15; pruning never regrows)
+        # (the schedule, in floats, reaches the float of the decimal given: np.float32(0.29)'s own float
+        # is below 0.29, and its last steps kept 14 of 50 blocks, never regrown; the final count takes the
+        # density as given, a Fraction exactly: see validation.kept_blocks)
         self.target_density, self.criterion = float(exact_density(target_density)), criterion
         self._exact_target = target_density
         self.start_step, self.end_step, self.every = start_step, end_step, every
@@ -401,13 +400,13 @@ class GradualPruner:
     def _regrow(self, layer: _Layer, mask: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
         """``mask`` after a drop-and-grow update by the dense gradient ``grad`` (unchanged without one)."""
         assert self.regrow is not None
+        weight = repattern.weight_of(layer.module)
         group = self.regrow.group()
         if group is not None:
             module = layer.module
-            features = (module.out_features, module.in_features)
-            grad = _averaged_over(group, grad, features, repattern.weight_of(module).device)
+            grad = _averaged_over(group, grad, (module.out_features, module.in_features), weight.device)
         if grad is None:
-            trained = getattr(repattern.weight_of(layer.module), "grad", None)  # (zeros: not this step)
+            trained = getattr(weight, "grad", None)  # (zeros: not this step)
             if layer.sparse and trained is not None and bool(trained.any()):
                 warnings.warn(
                     f"GradualPruner: layer {layer.fqn!r} recorded no dense gradient in a step that "
